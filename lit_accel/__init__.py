@@ -1,0 +1,23 @@
+"""lit_accel: fast, correct and observable multi-GPU mixed-precision training for PyTorch Lightning.
+
+Example::
+
+    from lightning.pytorch import Trainer
+    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=8,
+        strategy=AccelDDP(global_batch_size=1024),
+        plugins=[AccelPrecision("bf16-mixed")],
+        callbacks=[LossScaleMonitor(), EfficiencyMonitor()],
+    )
+"""
+
+__version__ = "0.1.0"
+
+from lit_accel.callbacks import EfficiencyMonitor, LossScaleMonitor
+from lit_accel.plugins import AccelPrecision
+from lit_accel.strategies import AccelDDP
+
+__all__ = ["AccelDDP", "AccelPrecision", "EfficiencyMonitor", "LossScaleMonitor"]

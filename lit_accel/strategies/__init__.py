@@ -1,0 +1,5 @@
+"""Training strategies: :class:`AccelDDP`."""
+
+from lit_accel.strategies.accel_ddp import AccelDDP
+
+__all__ = ["AccelDDP"]
