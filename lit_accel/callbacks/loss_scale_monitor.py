@@ -1,10 +1,545 @@
-"""Placeholder for :class:`LossScaleMonitor` (built in issue #6)."""
+"""Watch fp16 loss scaling: the scale, skipped steps, growths and back-offs, and optional underflow diagnostics.
 
-from typing import Any
+fp16 training fails quietly: the loss scale collapses, optimizer steps are skipped, and gradients below fp16's
+smallest subnormal (2**-24 ≈ 6e-8) flush to zero. Lightning exposes none of this (Lightning issue #9799 asks how to
+even read the scale), so this callback reads it from the precision plugin without a host sync on the step path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lit_accel.utilities._compat import grad_scaler_grads_unscaled, grad_scaler_scale
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+__all__ = ["LossScaleMonitor"]
+
+_FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+# fp16's smallest subnormal is 2**-24 (IEEE 754 binary16); round-to-nearest-even sends |x| <= 2**-25 to zero.
+_FP16_FLUSH = 2.0**-25
+_MAX_NAMES = 5
 
 
-class LossScaleMonitor:
-    """Not implemented yet: see issue #6."""
+class _Counters(NamedTuple):
+    """0-d device tensors: current scale and cumulative skipped steps, growths, back-offs."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("lit_accel.LossScaleMonitor is not implemented yet (issue #6).")
+    scale: Tensor
+    skipped: Tensor
+    growths: Tensor
+    backoffs: Tensor
+
+
+class _StatsSource:
+    """A scaler's own cumulative counters (``AccelPrecision.scaler_stats()``, ``DynamicGradScaler.stats()``).
+
+    They know about hysteresis: an overflow that the scaler tolerates is a skip without a back-off.
+    """
+
+    def __init__(self, stats: Callable[[], Any], scaler: torch.amp.GradScaler) -> None:
+        self.stats, self.scaler = stats, scaler
+
+    def start(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass  # the counters are cumulative: nothing to do per step
+
+    def scale(self) -> Tensor | None:
+        live = grad_scaler_scale(self.scaler)  # the live tensor: no copy per step
+        return live if live is not None else self.stats().scale
+
+    def counters(self) -> _Counters | None:
+        s = self.stats()
+        return _Counters(s.scale, s.skipped_steps, s.growths, s.backoffs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # restored with the scaler's own state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class _TorchScalerSource:
+    """Counters for a plain ``torch.amp.GradScaler`` (Lightning's ``MixedPrecision``), derived from its scale.
+
+    torch's update rule (``torch._amp_update_scale_``) multiplies the scale by ``backoff_factor < 1`` on every step
+    with inf/NaN gradients, which ``GradScaler.step`` skips, and by ``growth_factor > 1`` after ``growth_interval``
+    clean steps. So, compared across one optimizer step, a lower scale is one skipped step and one back-off and a
+    higher scale one growth: a few tensor ops per step, no host sync. (Exact while the scale is a positive finite
+    float32; a scale that has collapsed to 0 or grown to inf no longer moves.) A subclass with its own policy, such as
+    lit_accel's ``DynamicGradScaler`` with hysteresis, exposes ``stats()`` and is read by ``_StatsSource`` instead.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self._initial: float | None = None  # scale before the first step while the scaler's tensor does not exist
+        self._prev: Tensor | None = None
+        self._counts: Tensor | None = None  # int64 [skipped (= back-offs), growths]
+        self._loaded_counts = [0, 0]
+
+    def start(self) -> None:
+        scale = grad_scaler_scale(self.scaler)
+        if self._prev is None and self._initial is None:
+            # No sync: while the scale tensor is not created yet (lazily, at the first scaler.scale()), get_scale()
+            # returns the initial scale, which Lightning has already restored from a checkpoint.
+            self._initial = self.scaler.get_scale() if scale is None else None
+            self._prev = None if scale is None else scale.detach().clone()
+
+    def after_step(self) -> None:
+        scale = grad_scaler_scale(self.scaler)
+        if scale is None:
+            return
+        if self._prev is None:
+            self._prev = torch.full((), self._initial or 0.0, dtype=scale.dtype, device=scale.device)
+        if self._counts is None:
+            self._counts = self._new_counts(scale.device)
+        self._counts += torch.stack((scale < self._prev, scale > self._prev))
+        self._prev.copy_(scale)
+
+    def scale(self) -> Tensor | None:
+        return grad_scaler_scale(self.scaler)
+
+    def counters(self) -> _Counters | None:
+        scale = grad_scaler_scale(self.scaler)
+        if scale is None:
+            return None
+        counts = self._counts if self._counts is not None else self._new_counts(scale.device)
+        return _Counters(scale, counts[0], counts[1], counts[0])
+
+    def _new_counts(self, device: torch.device) -> Tensor:
+        # zeros + fill_ are kernels; torch.tensor(list, device=cuda) would be a synchronous host-to-device copy.
+        counts = torch.zeros(2, dtype=torch.int64, device=device)
+        for i, value in enumerate(self._loaded_counts):
+            counts[i].fill_(value)
+        return counts
+
+    def state_dict(self) -> dict[str, Any]:
+        counts = self._counts.tolist() if self._counts is not None else list(self._loaded_counts)
+        prev = self._prev.item() if self._prev is not None else self._initial
+        return {"prev_scale": prev, "skipped": counts[0], "growths": counts[1]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._initial, self._prev, self._counts = state["prev_scale"], None, None
+        self._loaded_counts = [int(state["skipped"]), int(state["growths"])]
+
+
+class LossScaleMonitor(Callback):
+    r"""Log the fp16 loss scale, skipped optimizer steps and scale changes, and warn when scaling goes wrong.
+
+    Works with :class:`lit_accel.AccelPrecision` (any plugin with ``scaler_stats()``, or whose scaler has
+    ``stats()`` like lit_accel's ``DynamicGradScaler``: those counters know about hysteresis, a skip without a
+    back-off) and with any Lightning precision plugin whose ``scaler`` is a plain ``torch.amp.GradScaler``
+    (Lightning's ``MixedPrecision("16-mixed", ...)``, which ``Trainer(precision="16-mixed")`` uses on CUDA): there
+    the callback keeps its own device counters, comparing the scale before and after each optimizer step (torch
+    backs off on, and only on, every overflow). With bf16 or fp32 there is no loss scaling: it logs nothing and says
+    so once.
+
+    Values are read with one host sync per logging step (every ``logging_interval`` optimizer steps, by default the
+    Trainer's ``log_every_n_steps``); other steps cost a few tiny device ops and no sync. Every rank computes the
+    values (they agree, since gradients are all-reduced before the scaler sees them) and rank 0's loggers write them.
+    Rows are logged with ``step = trainer.global_step - 1``, the index of the optimizer step just taken, which is the
+    step Lightning gives ``self.log`` values from the same batch, so the curves line up with the training loss.
+
+    ==============================  ====================================================================
+    key (default prefix ``amp/``)    value
+    ==============================  ====================================================================
+    ``amp/loss_scale``              current loss scale (after this step's update)
+    ``amp/skipped_steps``           optimizer steps skipped for inf/NaN gradients, cumulative
+    ``amp/skip_rate``               skipped steps / optimizer steps since the previous logging step
+    ``amp/scale_growths``           times the scale grew, cumulative
+    ``amp/scale_backoffs``          times the scale was reduced, cumulative
+    ``amp/underflow_frac``          with ``track_underflow``: fraction of the non-zero gradient elements
+                                    that would flush to zero in fp16 at this step's scale
+                                    (``|g·scale| <= 2**-25``); NaN if every gradient element is zero
+    ``amp/overflow_headroom_log2``  with ``track_underflow``: ``log2(65504 / max|g·scale|)``, how many
+                                    halvings of headroom the largest scaled gradient leaves below fp16's
+                                    maximum; negative (``-inf`` for inf/NaN) means it overflowed, ``inf``
+                                    that every gradient is zero
+    ==============================  ====================================================================
+
+    A well-chosen scale keeps ``underflow_frac`` near 0 and ``overflow_headroom_log2`` small but positive.
+
+    Args:
+        logging_interval: log every this many optimizer steps; ``None`` uses ``Trainer(log_every_n_steps=)`` (``0``
+            there disables logging and the threshold warnings; the end-of-fit summary remains).
+        log_key_prefix: prefix of every key, ``"amp/"`` by default.
+        track_underflow: log ``underflow_frac`` and ``overflow_headroom_log2``. Computed at logging steps only, in
+            ``on_before_optimizer_step``, where gradients are unscaled (or, for fused optimizers that unscale inside
+            ``step()``, still scaled: the callback checks which and handles both). Touches every gradient.
+        find_nonfinite: before every optimizer step, check each gradient for inf/NaN and, when the step is going to
+            be skipped, warn with the first parameters (qualified names) whose gradients are non-finite. A debugging
+            aid: it costs one host sync and a pass over all gradients per step.
+        skip_rate_threshold: warn (once) when more than this fraction of the optimizer steps in a window of
+            ``skip_rate_window`` steps after ``warmup_steps`` were skipped; ``None`` disables.
+        skip_rate_window: length in optimizer steps of the window over which ``skip_rate_threshold`` is checked.
+        warmup_steps: optimizer steps to ignore before checking the skip rate: a dynamic scaler starting at 2**16
+            skips a few steps while it calibrates, which is normal.
+        min_scale_threshold: warn (once) when the loss scale falls below this value; ``None`` disables. Below 1
+            gradients are scaled *down*, so fp16's range is being lost.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: ``logging_interval``, ``skip_rate_window`` < 1, ``warmup_steps`` < 0, ``skip_rate_threshold``
+            outside (0, 1], or ``min_scale_threshold`` not a positive finite number.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.loggers import CSVLogger
+        from lit_accel import AccelPrecision, LossScaleMonitor
+
+        trainer = Trainer(
+            accelerator="gpu",
+            devices=2,
+            plugins=[AccelPrecision("16-mixed")],
+            logger=CSVLogger("logs"),
+            callbacks=[LossScaleMonitor(track_underflow=True)],
+        )
+    """
+
+    def __init__(
+        self,
+        logging_interval: int | None = None,
+        log_key_prefix: str = "amp/",
+        track_underflow: bool = False,
+        find_nonfinite: bool = False,
+        skip_rate_threshold: float | None = 0.05,
+        skip_rate_window: int = 100,
+        warmup_steps: int = 100,
+        min_scale_threshold: float | None = 1.0,
+    ) -> None:
+        name = type(self).__name__
+        _check_int(name, "logging_interval", logging_interval, 1, allow_none=True)
+        _check_int(name, "skip_rate_window", skip_rate_window, 1)
+        _check_int(name, "warmup_steps", warmup_steps, 0)
+        if not isinstance(log_key_prefix, str):
+            raise TypeError(f"{name}(log_key_prefix={log_key_prefix!r}): expected a str such as 'amp/'.")
+        for arg, value in (("track_underflow", track_underflow), ("find_nonfinite", find_nonfinite)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}({arg}={value!r}): expected True or False.")
+        if skip_rate_threshold is not None and not (_is_number(skip_rate_threshold) and 0 < skip_rate_threshold <= 1):
+            raise ValueError(
+                f"{name}(skip_rate_threshold={skip_rate_threshold!r}): expected a fraction in (0, 1] such as 0.05"
+                " (warn when more than 5% of steps are skipped), or None to disable the warning."
+            )
+        if min_scale_threshold is not None and not (
+            _is_number(min_scale_threshold) and 0 < min_scale_threshold < math.inf
+        ):
+            raise ValueError(
+                f"{name}(min_scale_threshold={min_scale_threshold!r}): expected a positive finite loss scale such as"
+                " 1.0, or None to disable the warning."
+            )
+        self.logging_interval = logging_interval
+        self.log_key_prefix = log_key_prefix
+        self.track_underflow = track_underflow
+        self.find_nonfinite = find_nonfinite
+        self.skip_rate_threshold = skip_rate_threshold
+        self.skip_rate_window = skip_rate_window
+        self.warmup_steps = warmup_steps
+        self.min_scale_threshold = min_scale_threshold
+        #: The values logged at the last logging step, on every rank (rank 0's loggers write them).
+        self.last_metrics: dict[str, float] = {}
+
+        self._source: _StatsSource | _TorchScalerSource | None = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._said_why = False
+        self._names: dict[int, str] = {}
+        self._min_scale: Tensor | None = None
+        self._underflow: list[Tensor] | None = None  # [flushed count, non-zero count, max |g·scale|] of this step
+        self._batch_start_step = 0
+        # Host-side state, restored by load_state_dict.
+        self._state: dict[str, Any] = {
+            "steps_seen": 0,
+            "min_scale": None,
+            "window_step": None,  # start of the current logging window and the skipped count there
+            "window_skipped": 0.0,
+            "warn_step": None,  # start of the current skip-rate warning window
+            "warn_skipped": 0.0,
+            "warned_skip_rate": False,
+            "warned_scale": False,
+            "source": {},
+        }
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(log_key_prefix=self.log_key_prefix)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        source, scaler, why = _select_source(trainer.precision_plugin)
+        if source is None:
+            self._source = self._scaler = None
+            if not self._said_why:
+                rank_zero_info(f"LossScaleMonitor: nothing to log: {why}")
+                self._said_why = True
+            return
+        if self._source is None or type(self._source) is not type(source) or self._scaler is not scaler:
+            self._source, self._scaler = source, scaler  # else: a further fit() with the same scaler keeps counting
+        if self._state["source"]:
+            self._source.load_state_dict(self._state["source"])
+            self._state["source"] = {}
+        self._source.start()
+        self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        if self._state["window_step"] is None:
+            # One read before training (not on the step path): the baseline of a resumed AccelPrecision's counters.
+            skipped = self._read().get("skipped", 0.0)
+            self._state.update(window_step=trainer.global_step, window_skipped=skipped)
+            if self._state["warn_step"] is None and trainer.global_step >= self.warmup_steps:
+                self._state.update(warn_step=trainer.global_step, warn_skipped=skipped)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start_step = trainer.global_step
+        self._underflow = None
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if self._source is None:
+            return
+        if self.find_nonfinite:
+            self._report_nonfinite(trainer, optimizer)
+        interval = self._interval(trainer)
+        # global_step counts this step only once it is taken: the step about to be taken is number global_step + 1.
+        if self.track_underflow and interval and (trainer.global_step + 1) % interval == 0:
+            self._accumulate_underflow(optimizer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # An optimizer step happened iff global_step moved (it counts skipped steps too): correct under gradient
+        # accumulation, where most batches do not step.
+        start, step = self._batch_start_step, trainer.global_step
+        if self._source is None or step == start:
+            return
+        self._state["steps_seen"] += step - start
+        self._source.after_step()
+        scale = self._source.scale()
+        if scale is not None:
+            self._update_min(scale)
+        interval = self._interval(trainer)
+        if interval and step // interval > start // interval:
+            self._log(trainer, step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._source is None:
+            return
+        values = self._read()
+        if not values:
+            rank_zero_info("LossScaleMonitor: no optimizer step used the loss scaler.")
+            return
+        steps = self._state["steps_seen"]
+        rank_zero_info(
+            f"LossScaleMonitor: {values['skipped']:.0f} of {steps} optimizer steps skipped"
+            f" ({values['skipped'] / max(steps, 1):.1%}); loss scale final {values['scale']:g},"
+            f" minimum {values['min_scale']:g}."
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The callback's counters and windows, as Python numbers (reading them syncs once, at checkpoint time)."""
+        state = dict(self._state)
+        if self._min_scale is not None:
+            state["min_scale"] = self._min_scale.item()
+        if self._source is not None:
+            state["source"] = self._source.state_dict()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state.update(state_dict)
+        self._min_scale = None  # rebuilt on the scale's device from state["min_scale"] at the next step
+        if self._source is not None and self._state["source"]:
+            self._source.load_state_dict(self._state["source"])
+            self._state["source"] = {}
+
+    def _update_min(self, scale: Tensor) -> None:
+        """Track the minimum scale on the device (no sync); seeded from a checkpoint's minimum when resuming."""
+        scale = scale.detach().float()
+        if self._min_scale is None:
+            loaded = self._state["min_scale"]
+            self._min_scale = scale.clone()
+            if loaded is not None:
+                self._min_scale.clamp_(max=loaded)
+        else:
+            torch.minimum(self._min_scale, scale, out=self._min_scale)
+
+    def _interval(self, trainer: pl.Trainer) -> int:
+        return self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+
+    def _read(self) -> dict[str, float]:
+        """Read every device value with one ``stack(...).tolist()``: the callback's only host sync (logging steps)."""
+        assert self._source is not None
+        counters = self._source.counters()
+        if counters is None:
+            return {}
+        scale = counters.scale.detach()
+        self._update_min(scale)
+        assert self._min_scale is not None
+        # float64 keeps the int64 counters exact; MPS has no float64.
+        dtype = torch.float32 if scale.device.type == "mps" else torch.float64
+        parts = [*counters, self._min_scale]
+        if self._underflow is not None:
+            flushed, nonzero, largest = self._underflow
+            parts += [flushed.double() / nonzero.double(), torch.log2(_FP16_MAX / largest.double())]
+        values = torch.stack([p.to(device=scale.device, dtype=dtype) for p in parts]).tolist()
+        names = ["scale", "skipped", "growths", "backoffs", "min_scale", "underflow_frac", "headroom"]
+        return dict(zip(names, values))
+
+    def _log(self, trainer: pl.Trainer, step: int) -> None:
+        values = self._read()
+        self._underflow = None
+        if not values:
+            return
+        window_steps = step - self._state["window_step"]
+        skip_rate = (values["skipped"] - self._state["window_skipped"]) / window_steps if window_steps > 0 else 0.0
+        p = self.log_key_prefix
+        metrics: dict[str, float] = {
+            f"{p}loss_scale": values["scale"],
+            f"{p}skipped_steps": int(values["skipped"]),
+            f"{p}skip_rate": skip_rate,
+            f"{p}scale_growths": int(values["growths"]),
+            f"{p}scale_backoffs": int(values["backoffs"]),
+        }
+        if "underflow_frac" in values:
+            metrics[f"{p}underflow_frac"] = values["underflow_frac"]
+            metrics[f"{p}overflow_headroom_log2"] = values["headroom"]
+        self.last_metrics = metrics
+        for logger in trainer.loggers:  # Lightning's loggers write on rank 0 only
+            logger.log_metrics(metrics, step=step - 1)
+        self._state.update(window_step=step, window_skipped=values["skipped"])
+        self._check_thresholds(step, values)
+
+    def _check_thresholds(self, step: int, values: dict[str, float]) -> None:
+        state = self._state
+        threshold = self.min_scale_threshold
+        if threshold is not None and not state["warned_scale"] and values["min_scale"] < threshold:
+            state["warned_scale"] = True
+            rank_zero_warn(
+                f"LossScaleMonitor: by optimizer step {step - 1} the loss scale fell to {values['min_scale']:g}"
+                f" (below {threshold:g}): gradients are scaled down, so small ones flush to zero in fp16 (smallest"
+                " subnormal 2**-24 ≈ 6e-8). This usually means persistent inf/NaN, not large gradients: check the"
+                " data and the loss for inf/NaN (LossScaleMonitor(find_nonfinite=True) names the parameters), lower"
+                " the learning rate, clip gradients (Trainer(gradient_clip_val=1.0)), or use precision='bf16-mixed'"
+                " where the hardware supports it."
+            )
+        if self.skip_rate_threshold is None or state["warned_skip_rate"] or step < self.warmup_steps:
+            return
+        if state["warn_step"] is None:
+            state.update(warn_step=step, warn_skipped=values["skipped"])
+            return
+        steps = step - state["warn_step"]
+        if steps < self.skip_rate_window:
+            return
+        rate = (values["skipped"] - state["warn_skipped"]) / steps
+        state.update(warn_step=step, warn_skipped=values["skipped"])
+        if rate > self.skip_rate_threshold:
+            state["warned_skip_rate"] = True
+            rank_zero_warn(
+                f"LossScaleMonitor: {rate:.1%} of optimizer steps {step - steps}-{step - 1} were skipped for inf/NaN"
+                f" gradients (threshold {self.skip_rate_threshold:.1%}); the model does not learn on those steps."
+                " Try a lower learning rate or a longer warm-up, gradient clipping (Trainer(gradient_clip_val=1.0)),"
+                " checking the data for inf/NaN, LossScaleMonitor(find_nonfinite=True) to name the parameters, or"
+                " precision='bf16-mixed' where the hardware supports it."
+            )
+
+    def _grads(self, optimizer: Optimizer) -> list[tuple[int, Tensor]]:
+        grads = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    grad = param.grad.coalesce().values() if param.grad.is_sparse else param.grad
+                    grads.append((id(param), grad.detach()))
+        return grads
+
+    def _accumulate_underflow(self, optimizer: Optimizer) -> None:
+        scale = self._source.scale() if self._source is not None else None
+        if scale is None:
+            return
+        scale = scale.detach().float()
+        # MixedPrecision and AccelPrecision unscale before this hook, except for fused optimizers, which take the
+        # scale into step() (torch.amp.GradScaler.step): then the gradients here are still scaled.
+        unscaled = self._scaler is None or grad_scaler_grads_unscaled(self._scaler, optimizer)
+        flushed = torch.zeros((), dtype=torch.int64, device=scale.device)
+        nonzero = torch.zeros((), dtype=torch.int64, device=scale.device)
+        largest = torch.zeros((), dtype=torch.float32, device=scale.device)
+        for _, grad in self._grads(optimizer):
+            if grad.numel() == 0:
+                continue
+            scaled = grad.float().abs() * scale if unscaled else grad.float().abs()
+            is_nonzero = grad != 0
+            nonzero += is_nonzero.sum()
+            flushed += (is_nonzero & (scaled <= _FP16_FLUSH)).sum()
+            top = scaled.max()
+            # NaN gradients (an overflow's inf·0) count as infinitely large: headroom -inf, not NaN.
+            largest = torch.maximum(largest, torch.where(top.isnan(), math.inf, top))
+        if self._underflow is not None:  # several optimizers stepped in this batch
+            flushed, nonzero = flushed + self._underflow[0], nonzero + self._underflow[1]
+            largest = torch.maximum(largest, self._underflow[2])
+        self._underflow = [flushed, nonzero, largest]
+
+    def _report_nonfinite(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
+        grads = self._grads(optimizer)
+        if not grads:
+            return
+        # The documented per-step sync of find_nonfinite=True.
+        bad = torch.stack([~torch.isfinite(g).all() for _, g in grads]).nonzero().flatten().tolist()
+        if not bad:
+            return
+        shown = [
+            f"{self._names.get(grads[i][0], '<unnamed>')} ({'nan' if torch.isnan(grads[i][1]).any() else 'inf'})"
+            for i in bad[:_MAX_NAMES]
+        ]
+        more = f" and {len(bad) - _MAX_NAMES} more" if len(bad) > _MAX_NAMES else ""
+        rank_zero_warn(
+            f"LossScaleMonitor: optimizer step {trainer.global_step} is skipped: non-finite gradients in"
+            f" {len(bad)} of {len(grads)} parameters: {', '.join(shown)}{more}."
+        )
+
+
+def _select_source(precision: Any) -> tuple[_StatsSource | _TorchScalerSource | None, Any, str]:
+    """The counter source for a precision plugin, its GradScaler, and, when there is none, why."""
+    scaler = getattr(precision, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+        if callable(getattr(precision, "scaler_stats", None)):
+            return _StatsSource(precision.scaler_stats, scaler), scaler, ""
+        if callable(getattr(scaler, "stats", None)):  # a DynamicGradScaler inside another plugin
+            return _StatsSource(scaler.stats, scaler), scaler, ""
+        return _TorchScalerSource(scaler), scaler, ""
+    label = getattr(precision, "precision", type(precision).__name__)
+    return (
+        None,
+        None,
+        f"precision {label!r} ({type(precision).__name__}) uses no loss scaler. Only fp16 mixed precision"
+        " ('16-mixed' with a GradScaler) scales the loss; bf16 has fp32's exponent range and needs none.",
+    )
+
+
+def _check_int(cls: str, arg: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{cls}({arg}={value!r}): expected an int{' or None' if allow_none else ''}.")
+    if value < minimum:
+        raise ValueError(f"{cls}({arg}={value!r}): expected an int >= {minimum}; pass e.g. {arg}={max(minimum, 50)}.")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

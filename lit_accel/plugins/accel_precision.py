@@ -1,10 +1,620 @@
-"""Placeholder for :class:`AccelPrecision` (built in issue #5)."""
+"""``AccelPrecision``: mixed precision with a visible, bounded, skip-aware loss scaler.
 
-from typing import Any
+Fixes, relative to Lightning's ``MixedPrecision``: the scaler's settings are arguments (Lightning #17272); a skipped
+step does not advance step-interval LR schedulers (#5558, #18828); a scale stuck at ``min_scale`` stops the run with an
+explanation instead of skipping forever (DeepSpeed exits there too); ``"16-mixed"`` on CPU is real fp16 autocast with
+a real ``GradScaler`` (Lightning silently turns it into bf16), so loss scaling is testable without a GPU; and bf16/fp32
+steps with non-finite gradients are never written into the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import weakref
+from collections import deque
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lit_accel.plugins._grad_scaler import DynamicGradScaler, ScalerStats, validate_scaler_args
+from lit_accel.utilities import _compat
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+__all__ = ["AccelPrecision", "ScalerStats"]
+
+_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
+_HISTORY = 8  # overflow steps kept for the min-scale error message
 
 
-class AccelPrecision:
-    """Not implemented yet: see issue #5."""
+class AccelPrecision(Precision):
+    r"""Mixed-precision training with a configurable fp16 loss scaler, skip-aware LR schedulers and a non-finite guard.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("lit_accel.AccelPrecision is not implemented yet (issue #5).")
+    **What stays fp32.** Parameters, gradients and optimizer state stay fp32 ("fp32 master weights", Micikevicius et
+    al., *Mixed Precision Training*, ICLR 2018): ``torch.autocast`` only runs matmuls and convolutions in fp16/bf16,
+    which accumulate in fp32 inside the kernels (tensor cores, and CPU kernels likewise), and keeps reductions, losses
+    and normalisations in fp32. Nothing is converted in place; checkpoints hold fp32 weights.
+
+    **Loss scaling** (``"16-mixed"``). fp16 flushes gradients below 2**-24 to zero, so the loss is multiplied by a
+    scale before ``backward`` and the gradients are divided by it (in fp32) before clipping and the optimizer step.
+    ``precision.scaler`` is a :class:`~lit_accel.plugins._grad_scaler.DynamicGradScaler` (a ``torch.amp.GradScaler``):
+    a step whose gradients contain inf/NaN is skipped (weights and optimizer state untouched); after ``hysteresis``
+    consecutive overflows the scale is multiplied by ``backoff_factor``; after ``growth_interval`` clean steps by
+    ``growth_factor``; it stays within ``[min_scale, max_scale]``. An overflow while the scale is already at
+    ``min_scale`` raises (or warns once, ``on_min_scale="warn"``) instead of skipping forever. ``dynamic=False``
+    keeps the scale at ``init_scale`` (static loss scaling; ``init_scale=1.0`` disables scaling), still skipping
+    overflowing steps; ``min_scale`` then does not apply.
+
+    **Skipped steps.** ``trainer.global_step`` counts *attempted* optimizer steps, skipped ones included
+    (Lightning's own behaviour, kept so that ``max_steps`` budgets stay predictable); ``precision.skipped_steps``
+    counts the skipped ones. Step-interval LR schedulers (``"interval": "step"``) are not advanced on a skipped step:
+    ``connect()`` makes their ``step()`` a no-op after a skipped optimizer step (their class is swapped for a
+    subclass; ``state_dict`` and pickling are unchanged). Epoch-interval schedulers are left alone.
+
+    **Non-finite guard** (``"bf16-mixed"`` and ``"32-true"``). bf16 has fp32's exponent range, so there is no loss
+    scaling (``precision.scaler is None``), but a NaN/inf gradient would still be written into the weights. An
+    internal non-scaling ``DynamicGradScaler`` (scale fixed at 1.0) checks the gradients and skips such a step;
+    ``on_nonfinite="raise"`` (default) then raises with the step and batch index, ``"skip"`` counts it in
+    ``skipped_steps`` and continues. ``torch.optim.LBFGS`` re-evaluates the closure inside ``step()`` and cannot be
+    guarded: it runs unguarded, with a warning.
+
+    **Gradient clipping** acts on unscaled gradients. For fused optimizers (``AdamW(fused=True)`` etc.), which
+    unscale inside their kernel, the gradients are unscaled first only when clipping is requested (one extra pass
+    over the gradients, no sync); ``on_before_optimizer_step`` then sees scaled gradients, as with Lightning.
+    Optimizers on torch's deprecated ``step(grad_scaler=...)`` contract unscale by themselves and are refused with
+    clipping.
+
+    **Host syncs per optimizer step** (all other bookkeeping stays on the device):
+
+    ===========================================  ========  ===================================================
+    configuration                                syncs     why
+    ===========================================  ========  ===================================================
+    fp16 or guard, non-fused optimizer           1         ``GradScaler.step`` reads found-inf (``.item()``) to
+                                                           decide whether to call ``optimizer.step()``; the
+                                                           plugin reuses that value. fp16: +1 on overflow steps
+                                                           only (reads the scale for the min-scale check).
+    fp16, fused optimizer                        0         the kernel skips on the device; the min-scale counter
+                                                           is read every ``min_scale_check_interval`` steps.
+    guard, fused, ``on_nonfinite="skip"``        0         the kernel skips on the device.
+    guard, fused, ``on_nonfinite="raise"``       1         raising needs the found-inf flag on the host now.
+    any fused + a step-interval LR scheduler     1         the scheduler must know whether the step was skipped.
+    ===========================================  ========  ===================================================
+
+    Reading ``skipped_steps`` or ``loss_scale`` syncs; ``scaler_stats()`` does not.
+
+    Args:
+        precision: ``"16-mixed"`` (fp16 autocast + loss scaling), ``"bf16-mixed"`` (bf16 autocast + guard) or
+            ``"32-true"`` (no autocast, guard only).
+        device: ``"cpu"`` or ``"cuda"``; ``None`` (default) takes the Trainer's device in ``connect()``. With
+            ``"cpu"`` the scaler exists from construction; on CUDA it is created in ``connect()`` on the rank's GPU
+            (``connect()`` refuses a Trainer on another device type).
+        init_scale: initial loss scale (fp16).
+        growth_factor: scale multiplier after ``growth_interval`` consecutive clean steps (> 1).
+        backoff_factor: scale multiplier after ``hysteresis`` consecutive overflows (in (0, 1)).
+        growth_interval: consecutive clean steps before the scale grows.
+        hysteresis: consecutive overflowing steps skipped before the scale backs off (DeepSpeed's ``hysteresis``
+            with ``consecutive_hysteresis=True``); 1 is torch's behaviour.
+        min_scale: lowest scale; an overflow there triggers ``on_min_scale``.
+        max_scale: highest scale (keeps a never-overflowing run from growing the scale to inf).
+        dynamic: ``False`` for static loss scaling at ``init_scale``.
+        on_min_scale: ``"raise"`` a ``RuntimeError`` (default) or ``"warn"`` once and keep skipping at ``min_scale``.
+        on_nonfinite: bf16/fp32 steps with inf/NaN gradients: ``"raise"`` (default: with bf16's range this is a
+            bug or divergence, not a calibration event, and silently skipping hides it) or ``"skip"`` and count.
+        min_scale_check_interval: with fused optimizers, read the min-scale counter every this many steps.
+
+    Raises:
+        ValueError: unknown ``precision``/``device``/option string, or a scaler setting out of range (the message
+            names the value and the allowed range).
+        TypeError: an argument of the wrong type; in ``connect()``: ``LBFGS`` with ``"16-mixed"``.
+        RuntimeError: at run time, the scale reached ``min_scale`` and still overflows (``on_min_scale="raise"``),
+            or bf16/fp32 gradients are non-finite (``on_nonfinite="raise"``).
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lit_accel import AccelDDP, AccelPrecision, LossScaleMonitor
+
+        trainer = Trainer(
+            accelerator="gpu",
+            devices=8,
+            strategy=AccelDDP(),
+            plugins=[AccelPrecision("16-mixed", hysteresis=2, growth_interval=1000)],
+            callbacks=[LossScaleMonitor()],
+        )
+        # On CPU, for tests: Trainer(accelerator="cpu", plugins=[AccelPrecision("16-mixed")]) is real fp16.
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed", "32-true"],
+        device: Literal["cpu", "cuda"] | None = None,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        dynamic: bool = True,
+        on_min_scale: Literal["raise", "warn"] = "raise",
+        on_nonfinite: Literal["raise", "skip"] = "raise",
+        min_scale_check_interval: int = 100,
+    ) -> None:
+        name = type(self).__name__
+        _check_choice(name, "precision", precision, _PRECISIONS)
+        _check_choice(name, "device", device, (None, "cpu", "cuda"))
+        _check_choice(name, "on_min_scale", on_min_scale, ("raise", "warn"))
+        _check_choice(name, "on_nonfinite", on_nonfinite, ("raise", "skip"))
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"{name}(dynamic={dynamic!r}): expected True or False.")
+        validate_scaler_args(
+            name, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        )
+        if isinstance(min_scale_check_interval, bool) or not isinstance(min_scale_check_interval, int):
+            raise TypeError(f"{name}(min_scale_check_interval={min_scale_check_interval!r}): expected an int.")
+        if min_scale_check_interval < 1:
+            raise ValueError(
+                f"{name}(min_scale_check_interval={min_scale_check_interval!r}): expected an int >= 1, such as 100."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.on_min_scale = on_min_scale
+        self.on_nonfinite = on_nonfinite
+        self.min_scale_check_interval = min_scale_check_interval
+        self._scaler_kwargs: dict[str, Any] = dict(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            dynamic=dynamic,
+        )
+        self._device_type = device
+        self._device: torch.device | None = None
+        #: The fp16 loss scaler (``None`` for bf16/fp32, and for fp16 until ``connect()`` when ``device=None``).
+        self.scaler: DynamicGradScaler | None = None
+        self._guard: DynamicGradScaler | None = None  # non-scaling scaler: the bf16/fp32 non-finite check
+        self._pending_state: dict[str, Any] | None = None
+        self._history: deque[tuple[int, float]] = deque(maxlen=_HISTORY)  # (step, scale after it) at overflows
+        self._hits_seen = 0
+        self._warned_min_scale = False
+        self._steps_since_check = 0
+        self._scheduled: set[int | None] = set()  # ids of optimizers with step-interval schedulers (None: unknown)
+        self._skipped_on_host: dict[int, bool] = {}
+        self._without_backward = False
+        if device == "cpu":
+            # Only on CPU: CUDA tensors created before a fork-based launcher (ddp_fork, notebooks) starts its workers
+            # would break CUDA there, and the rank's GPU is only known in connect().
+            self._build(torch.device("cpu"))
+
+    # ------------------------------------------------------------------ public state
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the scaler and of autocast, once known."""
+        return self._device
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/NaN gradients (fp16 overflows, or the guard's skips). Syncs."""
+        scaler = self._active_scaler
+        if scaler is None:
+            return int((self._pending_state or {}).get(self._state_key, {}).get("skipped_steps", 0))
+        return int(scaler.counter("skipped_steps").item())
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (before setup: the one it will start from); ``1.0`` for bf16/fp32. Syncs."""
+        if self.precision != "16-mixed":
+            return 1.0
+        if self.scaler is None:
+            pending = (self._pending_state or {}).get("scaler") or {}
+            return float(pending.get("scale", self._scaler_kwargs["init_scale"]))
+        return self.scaler.get_scale()
+
+    def scaler_stats(self) -> ScalerStats:
+        """Scale and counters as 0-d device tensors, read without a host sync (see ``ScalerStats``).
+
+        For bf16/fp32 these are the guard's (scale 1.0; ``skipped_steps`` counts non-finite skips).
+
+        Raises:
+            RuntimeError: called before the Trainer set the plugin up (``device=None`` and no ``connect()`` yet).
+        """
+        scaler = self._active_scaler
+        if scaler is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.scaler_stats(): the scaler is created when the Trainer sets the plugin up"
+                " (or at construction with device='cpu'/'cuda'); call it during or after fit()."
+            )
+        return scaler.stats()
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def _active_scaler(self) -> DynamicGradScaler | None:
+        return self.scaler if self.precision == "16-mixed" else self._guard
+
+    @property
+    def _state_key(self) -> str:
+        return "scaler" if self.precision == "16-mixed" else "guard"
+
+    def _build(self, device: torch.device) -> None:
+        """Create (or move) the scaler on ``device`` and apply state loaded before it existed."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        old = self._active_scaler
+        if old is not None and old.device == device:
+            return
+        if self.precision == "16-mixed":
+            new = DynamicGradScaler(device, **self._scaler_kwargs)
+        else:
+            kwargs = dict(self._scaler_kwargs, init_scale=1.0, min_scale=1.0, max_scale=1.0, dynamic=False)
+            new = DynamicGradScaler(device, **kwargs)
+        if old is not None:
+            new.load_state_dict(old.state_dict())
+        self._device = device
+        if self.precision == "16-mixed":
+            self.scaler = new
+        else:
+            self._guard = new
+        if self._pending_state is not None:
+            pending, self._pending_state = self._pending_state, None
+            self.load_state_dict(pending)
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[LRSchedulerConfig]
+    ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
+        """Create the scaler on the Trainer's device, refuse unsupported optimizers, make schedulers skip-aware."""
+        name = type(self).__name__
+        module = _find_lightning_module(model)
+        trainer = _trainer_of(module)
+        if trainer is not None:
+            device = trainer.strategy.root_device
+        else:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"{name} supports CPU and CUDA devices; the Trainer runs on {device}.")
+        if self._device_type is not None and device.type != self._device_type:
+            raise RuntimeError(
+                f"{name}(device={self._device_type!r}) but the Trainer runs on {device}; pass device=None (the"
+                " default) to follow the Trainer."
+            )
+        self._build(device)
+
+        raw = [_unwrap(opt) for opt in optimizers]
+        if self.precision == "16-mixed" and any(isinstance(opt, LBFGS) for opt in raw):
+            raise TypeError(
+                f"{name}('16-mixed') cannot drive torch.optim.LBFGS: LBFGS re-evaluates the closure inside step(),"
+                " where the loss scaler cannot unscale or check the gradients. Use precision='bf16-mixed' or"
+                " '32-true', or another optimizer."
+            )
+        if any(isinstance(opt, LBFGS) for opt in raw):
+            rank_zero_warn(
+                f"{name}({self.precision!r}): torch.optim.LBFGS re-evaluates the closure inside step(), so its"
+                " steps are not checked for non-finite gradients."
+            )
+        clip_val = trainer.gradient_clip_val if trainer is not None else None
+        legacy = [type(opt).__name__ for opt in raw if _compat.optimizer_takes_grad_scaler(opt)]
+        if clip_val and legacy and self.precision == "16-mixed":
+            raise ValueError(_legacy_clip_message(name, legacy[0], clip_val))
+
+        self._scheduled = set()
+        for config in lr_schedulers:
+            if config.interval == "step":
+                opt = getattr(config.scheduler, "optimizer", None)
+                if _make_skip_aware(config.scheduler, self):
+                    self._scheduled.add(id(_unwrap(opt)) if opt is not None else None)
+        return model, optimizers, lr_schedulers
+
+    # ------------------------------------------------------------------ autocast and backward
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """``torch.autocast`` in fp16/bf16 on the plugin's device; nothing for ``"32-true"``."""
+        if self.precision == "32-true":
+            yield
+            return
+        device_type = self._device.type if self._device is not None else (self._device_type or "cpu")
+        dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+        # cache_enabled=False as in Lightning's MixedPrecision: weights are re-cast on every use inside the context.
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
+            yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None and self.precision == "16-mixed":
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    # ------------------------------------------------------------------ optimizer step
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        scaler = self._active_scaler
+        if scaler is None or isinstance(optimizer, LBFGS):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # training_step returned None: there was no backward, so nothing to unscale or step (as Lightning).
+        without_backward = closure_result is None and model.automatic_optimization
+        if (
+            not without_backward
+            and scaler is self.scaler
+            and not _compat.optimizer_handles_amp_scaling(optimizer)
+            and not _compat.grad_scaler_grads_unscaled(scaler, optimizer)
+        ):
+            # Unscale before the hooks and clipping see the gradients. One foreach kernel, no sync.
+            scaler.unscale_(optimizer)
+        self._without_backward = without_backward
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._without_backward = False
+        if without_backward:
+            return closure_result
+        output = scaler.step(optimizer, **kwargs)  # skips optimizer.step() (or the fused kernel) on inf/NaN
+        scaler.update()
+        self._after_step(scaler, optimizer, model.trainer)
+        return output
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip unscaled gradients; for fused optimizers unscale them first (their kernel then gets no scale)."""
+        if clip_val is None or clip_val <= 0:
+            return
+        optimizer = _unwrap(optimizer)
+        scaler = self.scaler if self.precision == "16-mixed" else None
+        if scaler is not None and not self._without_backward:
+            if _compat.optimizer_takes_grad_scaler(optimizer):
+                raise RuntimeError(_legacy_clip_message(type(self).__name__, type(optimizer).__name__, clip_val))
+            if not _compat.grad_scaler_grads_unscaled(scaler, optimizer):
+                scaler.unscale_(optimizer)  # also covers manual optimization's self.clip_gradients(...)
+        super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def _after_step(self, scaler: DynamicGradScaler, optimizer: Optimizer, trainer: pl.Trainer) -> None:
+        """Learn on the host whether the step was skipped when that is free or needed, and act on it."""
+        key = id(optimizer)
+        skipped = scaler.last_step_skipped(optimizer)
+        is_guard = scaler is not self.scaler
+        if isinstance(skipped, Tensor):  # fused optimizer: the flag is on the device
+            needs_host = key in self._scheduled or None in self._scheduled
+            needs_host = needs_host or (is_guard and self.on_nonfinite == "raise")
+            skipped = bool(skipped.item()) if needs_host else None  # the documented sync of these configurations
+        if skipped is not None:
+            self._skipped_on_host[key] = skipped
+        if is_guard:
+            if skipped and self.on_nonfinite == "raise":
+                raise RuntimeError(self._nonfinite_message(trainer))
+            return
+        if skipped:
+            self._check_min_scale(trainer)
+        elif skipped is None and scaler.dynamic:
+            self._steps_since_check += 1
+            if self._steps_since_check >= self.min_scale_check_interval:
+                self._steps_since_check = 0
+                self._check_min_scale(trainer, periodic=True)
+
+    def _check_min_scale(self, trainer: pl.Trainer, periodic: bool = False) -> None:
+        assert self.scaler is not None
+        scale, hits, first_hit = self.scaler.read_min_scale_state()  # one sync, on overflow steps only
+        if not periodic or hits > self._hits_seen:
+            self._history.append((trainer.global_step, scale))
+        if hits <= self._hits_seen:
+            return
+        self._hits_seen = hits
+        message = self._min_scale_message(trainer, scale, first_hit, periodic)
+        if self.on_min_scale == "raise":
+            raise RuntimeError(message)
+        if not self._warned_min_scale:
+            self._warned_min_scale = True
+            rank_zero_warn(
+                message + " Continuing because on_min_scale='warn': every overflowing step is skipped at min_scale."
+            )
+
+    def _should_skip_scheduler(self, optimizer: Optimizer | None) -> bool:
+        if optimizer is None:
+            return any(self._skipped_on_host.values())
+        return self._skipped_on_host.get(id(_unwrap(optimizer)), False)
+
+    # ------------------------------------------------------------------ messages
+
+    def _where(self, trainer: pl.Trainer) -> str:
+        return f"optimizer step {trainer.global_step} (batch_idx {_compat.train_batch_idx(trainer)})"
+
+    def _min_scale_message(self, trainer: pl.Trainer, scale: float, first_hit: int, periodic: bool) -> str:
+        assert self.scaler is not None
+        history = ", ".join(f"step {step}: {value:g}" for step, value in self._history) or "none recorded"
+        detected = (
+            f" (detected at {self._where(trainer)}; with a fused optimizer the check runs every"
+            f" {self.min_scale_check_interval} steps)"
+            if periodic
+            else f" at {self._where(trainer)}"
+        )
+        return (
+            f"{type(self).__name__}('16-mixed'): the loss scale is at min_scale={self.scaler.min_scale:g} and the"
+            f" gradients still overflow (inf/NaN){detected}; first overflow at the minimum: optimizer step"
+            f" {first_hit}. Every such step is skipped, so training has stopped making progress. Loss scale after"
+            f" recent overflows: {history}. Likely fixes: use AccelPrecision('bf16-mixed') where the hardware"
+            " supports it (fp32's exponent range, no loss scaling); lower the learning rate or add warm-up or"
+            " gradient clipping (diverging weights overflow fp16); check the data and the loss for inf/NaN or"
+            " extreme values. To keep going anyway, lower min_scale or pass on_min_scale='warn'."
+        )
+
+    def _nonfinite_message(self, trainer: pl.Trainer) -> str:
+        return (
+            f"{type(self).__name__}({self.precision!r}): non-finite gradients (inf/NaN) at {self._where(trainer)}."
+            " The optimizer step was skipped, so the weights are still finite. Likely causes: a diverging loss"
+            " (lower the learning rate, add warm-up or gradient clipping), bad input data (check this batch for"
+            " inf/NaN), or a numerically unsafe operation (log, sqrt or division near 0). To skip such steps and"
+            " keep training, pass on_nonfinite='skip' (they are counted in precision.skipped_steps)."
+        )
+
+    # ------------------------------------------------------------------ checkpointing
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Scaler (or guard) state, counters, hysteresis streak and the host-side overflow history."""
+        scaler = self._active_scaler
+        if scaler is None:
+            return dict(self._pending_state or {})
+        return {
+            "precision": self.precision,
+            self._state_key: scaler.state_dict(),
+            "history": [list(entry) for entry in self._history],
+            "min_scale_hits_seen": self._hits_seen,
+            "warned_min_scale": self._warned_min_scale,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; before the scaler exists the state is kept and applied when it is created."""
+        if self._active_scaler is None:
+            self._pending_state = dict(state_dict)
+            return
+        saved = state_dict.get(self._state_key)
+        if state_dict.get("precision", self.precision) != self.precision or not saved:
+            rank_zero_warn(
+                f"{type(self).__name__}({self.precision!r}): the checkpoint was saved with"
+                f" precision={state_dict.get('precision')!r}; its loss-scaler state is not restored."
+            )
+            return
+        self._active_scaler.load_state_dict(saved)
+        self._history = deque((tuple(e) for e in state_dict.get("history", [])), maxlen=_HISTORY)  # type: ignore[misc]
+        self._hits_seen = int(state_dict.get("min_scale_hits_seen", 0))
+        self._warned_min_scale = bool(state_dict.get("warned_min_scale", False))
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Take the scaler state of a checkpoint written with Lightning's ``MixedPrecision("16-mixed")``."""
+        torch_state = checkpoint.get("MixedPrecision")
+        if self.precision == "16-mixed" and type(self).__qualname__ not in checkpoint and torch_state:
+            self.load_state_dict({"precision": "16-mixed", "scaler": torch_state})
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_choice(owner: str, arg: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}({arg}={value!r}): expected one of {', '.join(map(repr, allowed))}.")
+
+
+def _legacy_clip_message(owner: str, optimizer: str, clip_val: float) -> str:
+    return (
+        f"{owner}('16-mixed'): gradient clipping (clip value {clip_val}) with {optimizer}, which unscales its"
+        " gradients itself inside step(grad_scaler=...), would clip scaled gradients. Use a torch optimizer with"
+        " fused=True (AccelPrecision unscales before clipping for those), a non-fused optimizer, or no clipping."
+    )
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:  # "not attached to a Trainer"
+        return None
+
+
+def _find_lightning_module(model: nn.Module) -> pl.LightningModule | None:
+    """The LightningModule inside a strategy's wrappers (DDP -> Lightning's wrapper -> module)."""
+    import lightning.pytorch as pl
+
+    current: Any = model
+    for _ in range(8):  # bounded: wrappers nest a few levels at most
+        if current is None or isinstance(current, pl.LightningModule):
+            return current
+        inner = getattr(current, "module", None)
+        current = inner if inner is not None else getattr(current, "_forward_module", None)
+    return None
+
+
+# ---------------------------------------------------------------------- skip-aware schedulers
+
+# scheduler -> function answering "was the last step of your optimizer skipped?". Weak keys: no leak, and nothing is
+# stored on the scheduler itself, whose state_dict() is its whole __dict__.
+_SKIP_SOURCES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
+_SKIP_AWARE_CLASSES: dict[type, type] = {}
+
+
+def _make_skip_aware(scheduler: Any, plugin: AccelPrecision) -> bool:
+    """Point the scheduler's ``step()`` at ``plugin``'s skip record; False (with a warning) if that is impossible."""
+    plugin_ref = weakref.ref(plugin)
+    optimizer = getattr(scheduler, "optimizer", None)
+
+    def should_skip() -> bool:
+        owner = plugin_ref()
+        return owner is not None and owner._should_skip_scheduler(optimizer)
+
+    cls = type(scheduler)
+    try:
+        _SKIP_SOURCES[scheduler] = should_skip
+        if not getattr(cls, "_lit_accel_skip_aware", False):
+            scheduler.__class__ = _skip_aware_class(cls)
+    except TypeError:  # not weak-referenceable, or an instance layout that cannot be subclassed (__slots__)
+        with contextlib.suppress(TypeError):
+            _SKIP_SOURCES.pop(scheduler, None)
+        rank_zero_warn(
+            f"AccelPrecision: cannot make the {cls.__name__} scheduler skip-aware; it will also step on skipped"
+            " optimizer steps."
+        )
+        return False
+    return True
+
+
+def _new_instance(cls: type, *args: Any) -> Any:
+    """``copyreg.__newobj__`` without its class check: unpickles a skip-aware scheduler as its original class."""
+    return cls.__new__(cls, *args)
+
+
+def _skip_aware_class(cls: type) -> type:
+    cached = _SKIP_AWARE_CLASSES.get(cls)
+    if cached is not None:
+        return cached
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        should_skip = _SKIP_SOURCES.get(self)
+        if should_skip is not None and should_skip():
+            return None  # the optimizer did not step: neither does the schedule (Lightning #5558, #18828)
+        return cls.step(self, *args, **kwargs)
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        # Pickle (and deepcopy) as the original class: skip-awareness is run-time wiring, not state.
+        reduced = cls.__reduce_ex__(self, protocol)
+        if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1] and reduced[1][0] is new_cls:
+            # copyreg.__newobj__ insists on the object's own class; an equivalent module-level function does not.
+            func = _new_instance if reduced[0] is copyreg.__newobj__ else reduced[0]
+            reduced = (func, (cls, *reduced[1][1:]), *reduced[2:])
+        return reduced
+
+    new_cls = type(
+        f"SkipAware{cls.__name__}",
+        (cls,),
+        {"step": step, "__reduce_ex__": __reduce_ex__, "_lit_accel_skip_aware": True, "__module__": __name__},
+    )
+    _SKIP_AWARE_CLASSES[cls] = new_cls
+    return new_cls

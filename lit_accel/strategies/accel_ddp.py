@@ -1,10 +1,493 @@
-"""Placeholder for :class:`AccelDDP` (built in issue #3)."""
+"""AccelDDP: DistributedDataParallel with portable SyncBatchNorm, counted comm hooks and a global-batch rule."""
 
-from typing import Any
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.plugins import TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, count_batchnorm_layers
+from lit_accel.strategies._accumulation import (
+    AccumulationPlan,
+    micro_batch_size_of,
+    plan_accumulation,
+    scale_gradients_,
+)
+from lit_accel.strategies._comm_hooks import (
+    CommHook,
+    CommHookName,
+    CommStats,
+    _require_choice,
+    _require_positive_int,
+    counting_comm_hook,
+    resolve_comm_hook,
+    validate_comm_hook,
+)
+from lit_accel.utilities._compat import get_layer_sync, set_layer_sync
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch.optim import Optimizer
+
+__all__ = ["AccelDDP"]
+
+# Arguments DistributedDataParallel takes besides the module and the ones AccelDDP sets itself.
+_DDP_OWN_ARGS = ("self", "module", "device_ids", "output_device")
+_LIGHTNING_COMM_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_START_METHODS = {
+    "accel_ddp": "popen",
+    "accel_ddp_spawn": "spawn",
+    "accel_ddp_fork": "fork",
+    "accel_ddp_notebook": "fork",
+}
 
 
-class AccelDDP:
-    """Not implemented yet: see issue #3."""
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"AccelDDP({name}={value!r}): expected True or False. Fix: pass {name}=True or {name}=False.")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("lit_accel.AccelDDP is not implemented yet (issue #3).")
+
+class AccelDDP(DDPStrategy):
+    """DDP with portable SyncBatchNorm, comm hooks on every backend, and the global-batch rule.
+
+    Three things plain ``DDPStrategy`` does not do:
+
+    * **SyncBatchNorm everywhere.** While fitting, every ``torch.nn.modules.batchnorm._BatchNorm`` computes its
+      statistics over all ranks (or over consecutive groups of ``sync_bn_group_size`` ranks, e.g. one node, as Apex
+      did). The CPU/gloo path uses lit_accel's portable implementation (torch's ``SyncBatchNorm`` is CUDA-only). At
+      teardown the model holds its original classes again with the synced running statistics, so checkpoints load
+      into the plain model.
+    * **Comm hooks on every backend**, gloo included (Lightning registers them only on CUDA), each wrapped so that
+      :attr:`comm_stats` counts the collectives, their bytes and their time for the ``EfficiencyMonitor``.
+    * **The global-batch rule** (Goyal et al., 2017): with ``global_batch_size``, the accumulation is set at fit
+      start to ``global / (micro-batch per device x devices x nodes)``, so the same training dynamics hold on 1 or
+      8 GPUs. Non-final micro-batches of a window run under DDP's ``no_sync`` (one all-reduce round per optimizer
+      step), and the last, partial window of an epoch is averaged over the micro-batches it really had (Lightning
+      divides it by the full count: issue #19987).
+
+    BatchNorm caveat: statistics are computed per micro-batch (per forward), never over the accumulated global
+    batch. Accumulating 8 micro-batches of 32 is not the same as one batch of 256 for a BatchNorm model; SyncBN
+    widens each forward across devices only. Keep the micro-batch large enough for stable statistics.
+
+    Args:
+        global_batch_size: samples per optimizer step over all devices; sets ``trainer.accumulate_grad_batches``.
+            ``None`` keeps ``Trainer(accumulate_grad_batches=...)``.
+        micro_batch_size: per-device batch size, for loaders whose batch size cannot be read (custom batch
+            samplers). Given with ``global_batch_size``, the accumulation is known already at setup, so
+            ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` sees it.
+        partial_window: ``"mean"`` averages the last, partial window of an epoch over the micro-batches it had (its
+            update equals a big batch of those micro-batches). ``"lightning"`` keeps Lightning's division by the full
+            count, which weights every sample of the epoch equally (the short window's update is scaled down in
+            proportion to its size) - choose it to reproduce runs made with plain Lightning.
+        sync_batchnorm: synchronise BatchNorm statistics across ranks while fitting.
+        sync_bn_group_size: synchronise within consecutive groups of this many ranks; must divide the world size.
+            ``None`` means all ranks.
+        sync_bn_implementation: ``"portable"`` (all-reduce of one fused statistics tensor; any backend),
+            ``"torch"`` (``torch.nn.SyncBatchNorm``; CUDA only) or ``"auto"`` (torch's on CUDA, portable elsewhere).
+        comm_hook: ``"fp16"`` / ``"bf16"`` (compress gradients to 16 bits for the all-reduce), ``"powersgd"``
+            (low-rank compression, Vogels et al., 2019), a callable ``hook(state, bucket) -> Future[Tensor]``, or
+            ``None`` for the plain all-reduce mean.
+        comm_state: state for a callable hook, or a ready ``PowerSGDState`` for ``"powersgd"``.
+        powersgd_rank: PowerSGD's ``matrix_approximation_rank`` (default 1).
+        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter`` (default 1000; at least 2): steps of plain
+            all-reduce before compressing.
+        gradient_as_bucket_view: let gradients alias DDP's buckets (saves one gradient-sized copy and memory).
+        bucket_cap_mb: DDP bucket size in MiB; ``None`` keeps torch's default (25).
+        static_graph: DDP's static-graph optimisation. Refused with gradient accumulation (see ``Raises``).
+        find_unused_parameters: let DDP detect parameters without gradients (costs a graph traversal per step).
+        process_group_backend: ``None`` picks from the accelerator (nccl on CUDA, gloo on CPU).
+        timeout: collective timeout.
+        start_method: how processes are launched (``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``).
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        **ddp_kwargs: other ``DistributedDataParallel`` arguments (e.g. ``forward_sync_buffers``).
+
+    Raises:
+        TypeError: a flag is not a bool, a hook is not callable with ``(state, bucket)``, an unknown DDP argument,
+            or one of ``DDPStrategy``'s ``ddp_comm_*`` arguments (use ``comm_hook``/``comm_state``).
+        ValueError: a size is not a positive int, an unknown option, ``powersgd_*`` without ``"powersgd"``, a
+            PostLocalSGD state; at setup: ``sync_bn_group_size`` not dividing the world size, nccl on a CPU device,
+            ``static_graph=True`` with accumulation > 1, ``Trainer(sync_batchnorm=True)`` with
+            ``sync_batchnorm=False``, ``global_batch_size`` with a ``GradientAccumulationScheduler``; at fit start
+            (before the first step; at setup when ``micro_batch_size`` is given): a global batch that does not
+            divide, a conflicting ``Trainer(accumulate_grad_batches=...)``, an unreadable or per-rank different
+            micro-batch size, ``static_graph=True`` with the resulting accumulation > 1.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lit_accel import AccelDDP
+
+        # 1024 = 32 per device x 8 accumulation x 4 devices, and the same dynamics on 8 devices (accumulation 4)
+        trainer = Trainer(accelerator="gpu", devices=4, strategy=AccelDDP(global_batch_size=1024, comm_hook="bf16"))
+        trainer.fit(model, train_dataloaders=DataLoader(dataset, batch_size=32))
+    """
+
+    def __init__(
+        self,
+        *,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        partial_window: Literal["mean", "lightning"] = "mean",
+        sync_batchnorm: bool = True,
+        sync_bn_group_size: int | None = None,
+        sync_bn_implementation: Literal["auto", "portable", "torch"] = "auto",
+        comm_hook: CommHookName | CommHook | None = None,
+        comm_state: object | None = None,
+        powersgd_rank: int | None = None,
+        powersgd_start_iter: int | None = None,
+        gradient_as_bucket_view: bool = True,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        _require_positive_int("global_batch_size", global_batch_size)
+        _require_positive_int("micro_batch_size", micro_batch_size)
+        if micro_batch_size is not None and global_batch_size is None:
+            raise ValueError(
+                f"AccelDDP(micro_batch_size={micro_batch_size}) only serves global_batch_size, which is None. Fix:"
+                " pass global_batch_size=..., or drop micro_batch_size (the dataloader's batch size is used)."
+            )
+        _require_choice("partial_window", partial_window, ("mean", "lightning"))
+        for name, flag in (
+            ("sync_batchnorm", sync_batchnorm),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("static_graph", static_graph),
+            ("find_unused_parameters", find_unused_parameters),
+        ):
+            _require_bool(name, flag)
+        _require_positive_int("sync_bn_group_size", sync_bn_group_size)
+        _require_choice("sync_bn_implementation", sync_bn_implementation, ("auto", "portable", "torch"))
+        _require_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
+        validate_comm_hook(comm_hook, comm_state, powersgd_rank, powersgd_start_iter)
+        if bucket_cap_mb is not None and (
+            isinstance(bucket_cap_mb, bool)
+            or not isinstance(bucket_cap_mb, (int, float))
+            or not math.isfinite(bucket_cap_mb)
+            or bucket_cap_mb <= 0
+        ):
+            raise ValueError(
+                f"AccelDDP(bucket_cap_mb={bucket_cap_mb!r}): expected a positive, finite number of MiB or None (torch's"
+                " default, 25). Fix: pass e.g. bucket_cap_mb=25."
+            )
+        if process_group_backend is not None and process_group_backend not in dist.Backend.backend_list:
+            raise ValueError(
+                f"AccelDDP(process_group_backend={process_group_backend!r}): expected None (nccl on CUDA, gloo on"
+                f" CPU) or one of {', '.join(b for b in dist.Backend.backend_list if b != 'undefined')}."
+            )
+        self._check_ddp_kwargs(ddp_kwargs)
+        if bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            **ddp_kwargs,
+        )
+        self._global_batch_size = global_batch_size
+        self._micro_batch_size = micro_batch_size
+        self._partial_window = partial_window
+        self._sync_batchnorm = sync_batchnorm
+        self._sync_bn_group_size = sync_bn_group_size
+        self._sync_bn_implementation = sync_bn_implementation
+        self._comm_hook = comm_hook
+        self._comm_state = comm_state
+        self._powersgd_rank = 1 if powersgd_rank is None else powersgd_rank
+        self._powersgd_start_iter = 1000 if powersgd_start_iter is None else powersgd_start_iter
+        self._static_graph = static_graph
+        self.comm_stats = CommStats()
+        self._resolved_micro_batch_size: int | None = micro_batch_size
+        self._user_accumulation = 1
+        self._applied_accumulation: int | None = None
+        self._window_micro_batches = 0
+        self._told_no_batchnorm = False
+        self._attached_trainer: pl.Trainer | None = None  # set in setup(); the strategy's hooks do not receive it
+
+    @staticmethod
+    def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
+        for key in ddp_kwargs:
+            if key in _LIGHTNING_COMM_ARGS:
+                raise TypeError(
+                    f"AccelDDP({key}=...) is DDPStrategy's argument; AccelDDP registers hooks on every backend with"
+                    " comm_hook= (a name or a callable) and comm_state=. Fix: pass those instead."
+                )
+        allowed = [p for p in inspect.signature(DistributedDataParallel.__init__).parameters if p not in _DDP_OWN_ARGS]
+        unknown = sorted(set(ddp_kwargs) - set(allowed))
+        if unknown:
+            raise TypeError(
+                f"AccelDDP got unknown argument(s) {unknown}: extra keyword arguments go to DistributedDataParallel,"
+                f" which accepts {', '.join(allowed)}."
+            )
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all devices: the configured value, else micro x accumulation x world."""
+        if self._global_batch_size is not None:
+            return self._global_batch_size
+        trainer = self._attached_trainer
+        if self._resolved_micro_batch_size is None or trainer is None:
+            return None
+        return self._resolved_micro_batch_size * trainer.accumulate_grad_batches * self.world_size
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per forward/backward on one device, known from fit start (or construction, if given)."""
+        return self._resolved_micro_batch_size
+
+    @property
+    def sync_bn_group_size(self) -> int | None:
+        """Ranks per SyncBatchNorm group (``None``: all ranks)."""
+        return self._sync_bn_group_size
+
+    @override
+    def setup_environment(self) -> None:
+        backend = self.process_group_backend
+        if backend == "nccl" and self.root_device.type != "cuda":
+            raise ValueError(
+                f"AccelDDP(process_group_backend='nccl') needs CUDA devices, but this process runs on"
+                f" {self.root_device}. Fix: drop process_group_backend (gloo is chosen on CPU) or use"
+                " accelerator='gpu'."
+            )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._attached_trainer = trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._setup_accumulation(trainer)
+            self._setup_layer_sync()
+        super().setup(trainer)
+
+    def _setup_layer_sync(self) -> None:
+        module = self.lightning_module
+        no_batchnorm = module is not None and count_batchnorm_layers(module) == 0
+        if self._sync_batchnorm and no_batchnorm and not self._told_no_batchnorm:
+            self._told_no_batchnorm = True
+            rank_zero_info(
+                "AccelDDP(sync_batchnorm=True): the model has no BatchNorm layer, so there is nothing to"
+                " synchronise. Pass sync_batchnorm=False to silence this."
+            )
+        current = get_layer_sync(self)  # what the Trainer put there: from Trainer(sync_batchnorm=) or plugins=
+        if current is not None and not isinstance(current, TorchSyncBatchNorm):
+            # The user passed a LayerSync plugin explicitly (ours, configured their way, or their own): respect it.
+            return
+        if not self._sync_batchnorm:
+            if current is not None:
+                raise ValueError(
+                    "AccelDDP(sync_batchnorm=False) contradicts Trainer(sync_batchnorm=True). Fix: drop one of them."
+                )
+            return
+        world_size = self.world_size
+        group_size = self._sync_bn_group_size
+        if group_size is not None and world_size % group_size:
+            allowed = [k for k in range(1, world_size + 1) if world_size % k == 0]
+            raise ValueError(
+                f"AccelDDP(sync_bn_group_size={group_size}) must divide the world size {world_size} (devices x"
+                f" nodes). Allowed: {allowed} or None (all ranks). Fix: pass e.g. the devices per node."
+            )
+        if current is not None:
+            rank_zero_info(
+                "AccelDDP: Trainer(sync_batchnorm=True) is replaced by AccelDDP's SyncBatchNorm, which also works on"
+                " CPU/gloo and restores the original BatchNorm classes at teardown."
+            )
+        if world_size == 1 or group_size == 1:
+            # A group of one rank has nothing to synchronise with: plain BatchNorm is exactly right, and cheaper.
+            set_layer_sync(self, None)
+            return
+        set_layer_sync(self, AccelSyncBatchNorm(group_size=group_size, implementation=self._sync_bn_implementation))
+
+    def _setup_accumulation(self, trainer: pl.Trainer) -> None:
+        if trainer.accumulate_grad_batches != self._applied_accumulation:
+            self._user_accumulation = trainer.accumulate_grad_batches
+        if self._global_batch_size is not None:
+            schedulers = [cb for cb in trainer.callbacks if isinstance(cb, GradientAccumulationScheduler)]
+            if schedulers:
+                raise ValueError(
+                    f"AccelDDP(global_batch_size={self._global_batch_size}) sets the accumulation itself, which"
+                    " contradicts the GradientAccumulationScheduler callback. Fix: drop one of them."
+                )
+            if self._micro_batch_size is not None:
+                self._apply_plan(
+                    trainer, plan_accumulation(self._global_batch_size, self._micro_batch_size, self.world_size)
+                )
+        self._check_static_graph(trainer.accumulate_grad_batches)
+
+    def _apply_plan(self, trainer: pl.Trainer, plan: AccumulationPlan) -> None:
+        if self._user_accumulation not in (1, plan.accumulate_grad_batches):
+            raise ValueError(
+                f"AccelDDP(global_batch_size={plan.global_batch_size}) gives accumulate_grad_batches="
+                f"{plan.accumulate_grad_batches} ({plan.describe()}), which contradicts Trainer("
+                f"accumulate_grad_batches={self._user_accumulation}). Fix: drop one of them."
+            )
+        trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        self._applied_accumulation = plan.accumulate_grad_batches
+        self._resolved_micro_batch_size = plan.micro_batch_size
+        rank_zero_info(f"AccelDDP: {plan.describe()}")
+
+    def _check_static_graph(self, accumulation: int) -> None:
+        if self._static_graph and accumulation > 1:
+            # Lightning runs the first micro-batch of every window under DDP's no_sync(). With static_graph=True
+            # torch's reducer then fails its "expect_autograd_hooks_" assertion on the very first backward (measured
+            # with torch 2.14 on gloo), and otherwise can stop all-reducing after the first iteration (pytorch PR
+            # #187732, accelerate #3679).
+            raise ValueError(
+                f"AccelDDP(static_graph=True) cannot be combined with gradient accumulation (accumulate_grad_batches="
+                f"{accumulation}): DDP's static graph breaks under the no_sync() used for non-final micro-batches."
+                " Fix: pass static_graph=False, or train without accumulation."
+            )
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # wraps the model; registers no hook, since DDPStrategy's ddp_comm_hook is None
+        assert isinstance(self.model, DistributedDataParallel)
+        hook, state, kind = resolve_comm_hook(
+            self._comm_hook, self._comm_state, self._powersgd_rank, self._powersgd_start_iter, self.model.process_group
+        )
+        # Registered on every backend: DDPStrategy only does it on CUDA, but gloo runs every hook.
+        self.model.register_comm_hook(state, counting_comm_hook(hook, kind, self.comm_stats))
+
+    @override
+    def on_train_start(self) -> None:
+        trainer = self._attached_trainer
+        assert trainer is not None
+        self._window_micro_batches = 0
+        loader_micro = micro_batch_size_of(trainer.train_dataloader)
+        if self._global_batch_size is None:
+            self._resolved_micro_batch_size = loader_micro
+        elif self._micro_batch_size is not None:
+            if loader_micro is not None and loader_micro != self._micro_batch_size:
+                raise ValueError(
+                    f"AccelDDP(micro_batch_size={self._micro_batch_size}) disagrees with the train dataloader's"
+                    f" batch_size={loader_micro}. Fix: make them equal, or drop micro_batch_size."
+                )
+        else:
+            if loader_micro is None:
+                raise ValueError(
+                    f"AccelDDP(global_batch_size={self._global_batch_size}) needs the per-device micro-batch size,"
+                    " but the train dataloader has no readable batch_size (batch_size or batch_sampler.batch_size)."
+                    " Fix: pass AccelDDP(micro_batch_size=...)."
+                )
+            self._check_same_on_all_ranks(loader_micro)
+            self._apply_plan(trainer, plan_accumulation(self._global_batch_size, loader_micro, self.world_size))
+            if self.lr_scheduler_configs and trainer.accumulate_grad_batches > 1:
+                rank_zero_warn(
+                    "AccelDDP: the accumulation was set at fit start, after configure_optimizers ran; if your LR"
+                    " scheduler used trainer.estimated_stepping_batches it counted every micro-batch as a step. Fix:"
+                    " pass AccelDDP(micro_batch_size=...) so the accumulation is known at setup."
+                )
+        self._check_static_graph(trainer.accumulate_grad_batches)
+        super().on_train_start()
+
+    def _check_same_on_all_ranks(self, micro_batch_size: int) -> None:
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        # One all-reduce at fit start: max over ranks of (m, -m) gives the largest and the smallest.
+        extremes = torch.tensor([micro_batch_size, -micro_batch_size], device=self.root_device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        largest, smallest = int(extremes[0]), -int(extremes[1])
+        if largest != smallest:
+            raise ValueError(
+                f"AccelDDP(global_batch_size={self._global_batch_size}): the train dataloaders' batch sizes differ"
+                f" between ranks (from {smallest} to {largest}), so no accumulation fits all of them. Fix: give"
+                " every rank the same batch_size."
+            )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        # Micro-batches since the last optimizer step: Lightning starts a window at batch_idx % k == 0 and forces
+        # a step on the last batch of the epoch, so only that window can be shorter than k.
+        self._window_micro_batches += 1
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        trainer = self._attached_trainer
+        accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
+        if self._partial_window == "mean" and accumulation > 1:
+            closure = self._partial_window_closure(closure, optimizer, accumulation)
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._window_micro_batches = 0
+
+    def _partial_window_closure(
+        self, closure: Callable[[], Any], optimizer: Optimizer, accumulation: int
+    ) -> Callable[[], Any]:
+        def corrected_closure() -> Any:
+            # Runs the final micro-batch's forward and backward (its all-reduce included), then - before the
+            # precision plugin unscales, clips and steps - rescales a short window from 1/k to 1/m per micro-batch.
+            output = closure()
+            micro_batches = self._window_micro_batches
+            if 0 < micro_batches < accumulation:
+                params = (p for group in optimizer.param_groups for p in group["params"])
+                scale_gradients_(params, accumulation / micro_batches)
+            return output
+
+        return corrected_closure
+
+    @override
+    def teardown(self) -> None:
+        trainer = self._attached_trainer
+        accumulating = trainer is not None and trainer.accumulate_grad_batches > 1
+        if accumulating and isinstance(self.model, DistributedDataParallel):
+            # Unwrap here so DDPStrategy.teardown skips its "pass static_graph=True" hint: with accumulation that
+            # advice leads to the refusal above.
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``accel_ddp``, ``accel_ddp_spawn``, ``accel_ddp_fork`` and ``accel_ddp_notebook`` (idempotent)."""
+        for name, start_method in _START_METHODS.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"AccelDDP (SyncBatchNorm, counted comm hooks, global batch) with start_method"
+                f" '{start_method}'",
+                start_method=start_method,
+            )

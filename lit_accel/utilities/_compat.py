@@ -3,3 +3,127 @@
 Every accessor here is exercised by ``tests/utilities/test_compat.py``, so a Lightning or torch release that moves
 one of them fails loudly in CI instead of silently changing behaviour.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins import LayerSync
+
+
+def grad_scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scale tensor of a ``GradScaler`` on its device, read without a host sync (``GradScaler._scale``).
+
+    ``None`` until the first ``scaler.scale(...)`` call creates it lazily, and for a disabled scaler (which has no
+    such attribute). The public ``get_scale()`` syncs.
+    """
+    return scaler._scale if scaler.is_enabled() else None
+
+
+def grad_scaler_grads_unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` already ran in this iteration (``GradScaler._per_optimizer_states``).
+
+    False for fused optimizers, which ``GradScaler.step`` hands the scale to instead of unscaling their gradients.
+    ``.get`` avoids creating an entry in the ``defaultdict``.
+    """
+    if not scaler.is_enabled():
+        return False
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is OptState.UNSCALED
+
+
+def get_layer_sync(strategy: object) -> LayerSync | None:
+    """The ``LayerSync`` plugin of a parallel strategy (``ParallelStrategy._layer_sync``).
+
+    The Trainer's accelerator connector assigns it after the strategy's ``__init__`` (from
+    ``Trainer(sync_batchnorm=)`` or ``plugins=``), and ``DDPStrategy.setup``/``teardown`` apply and revert it.
+    """
+    return strategy._layer_sync  # type: ignore[attr-defined]
+
+
+def set_layer_sync(strategy: object, layer_sync: LayerSync | None) -> None:
+    """Replace the strategy's ``LayerSync`` plugin; call it in ``setup()`` before ``DDPStrategy.setup`` applies it."""
+    strategy._layer_sync = layer_sync  # type: ignore[attr-defined]
+
+
+# --- AccelPrecision / DynamicGradScaler (tests: tests/utilities/test_compat_precision.py) ---
+
+#: The ``GradScaler`` method that ``step()`` calls for optimizers that do not take the scale themselves; it reads the
+#: found-inf flags with ``.item()`` (torch's one host sync per step) and calls ``optimizer.step()`` unless one is set.
+#: ``DynamicGradScaler`` overrides it to keep that host value.
+GRAD_SCALER_SKIP_HOOK = "_maybe_opt_step"
+
+
+def check_grad_scaler_skip_hook() -> None:
+    """Raise if ``torch.amp.GradScaler`` no longer has ``_maybe_opt_step(optimizer, optimizer_state, ...)``.
+
+    Without it, ``DynamicGradScaler``'s override would silently never run and skipped steps would go unnoticed on
+    the host.
+    """
+    import inspect
+
+    hook = getattr(torch.amp.GradScaler, GRAD_SCALER_SKIP_HOOK, None)
+    params = list(inspect.signature(hook).parameters) if callable(hook) else []
+    if params[:3] != ["self", "optimizer", "optimizer_state"]:
+        raise RuntimeError(
+            f"torch {torch.__version__}: torch.amp.GradScaler.{GRAD_SCALER_SKIP_HOOK}(optimizer, optimizer_state, ...)"
+            " is gone or changed, and lit_accel's DynamicGradScaler relies on it to learn on the host that a step"
+            " was skipped. Pin torch to a version lit_accel supports or update lit_accel."
+        )
+
+
+def optimizer_state_found_infs(optimizer_state: dict[str, Any]) -> list[torch.Tensor]:
+    """The per-device found-inf flags in one ``GradScaler._per_optimizer_states`` entry."""
+    return list(optimizer_state["found_inf_per_device"].values())
+
+
+def grad_scaler_found_infs(scaler: torch.amp.GradScaler) -> dict[int, list[torch.Tensor]]:
+    """The found-inf flags recorded since the last ``update()``, keyed by ``id(optimizer)``, without a host sync."""
+    return {key: optimizer_state_found_infs(state) for key, state in scaler._per_optimizer_states.items()}
+
+
+def reset_grad_scaler_iteration(scaler: torch.amp.GradScaler) -> None:
+    """Forget the per-optimizer stages and found-inf flags, as ``GradScaler.update()`` does at its end.
+
+    ``_per_optimizer_states`` is a ``defaultdict``: ``clear()`` keeps its factory.
+    """
+    scaler._per_optimizer_states.clear()
+
+
+def init_grad_scaler_tensors(scaler: torch.amp.GradScaler, device: torch.device) -> None:
+    """Create the scale and growth-tracker tensors on ``device`` now instead of at the first ``scale()`` call."""
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(device)
+
+
+def grad_scaler_growth_tracker(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The int32 growth-tracker tensor (``GradScaler._growth_tracker``), read without a host sync."""
+    return scaler._growth_tracker if scaler.is_enabled() else None
+
+
+def optimizer_handles_amp_scaling(optimizer: object) -> bool:
+    """Whether ``GradScaler.step`` hands the scale and found-inf flag to the optimizer (fused kernels).
+
+    torch sets ``_step_supports_amp_scaling`` on ``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def optimizer_takes_grad_scaler(optimizer: object) -> bool:
+    """Whether the optimizer unscales by itself, on torch's deprecated ``step(grad_scaler=...)`` contract.
+
+    ``GradScaler.step`` then passes the scaler instead of setting ``grad_scale``/``found_inf`` on the optimizer.
+    """
+    import inspect
+
+    step = getattr(optimizer, "step", None)
+    return optimizer_handles_amp_scaling(optimizer) and "grad_scaler" in inspect.signature(step).parameters
+
+
+def train_batch_idx(trainer: object) -> int:
+    """The index of the current training batch within its epoch (``fit_loop.epoch_loop.batch_idx``)."""
+    return trainer.fit_loop.epoch_loop.batch_idx  # type: ignore[attr-defined]

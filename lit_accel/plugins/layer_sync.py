@@ -1,0 +1,235 @@
+"""``AccelSyncBatchNorm``: Lightning's layer-sync plugin, made portable, group-aware and exactly reversible.
+
+Lightning's ``Trainer(sync_batchnorm=True)`` uses ``TorchSyncBatchNorm``, which converts to ``torch.nn.SyncBatchNorm``
+(CUDA only: on CPU/gloo the DDP constructor raises "SyncBatchNorm layers only work with GPU modules"), always syncs
+the whole world, and whose ``revert`` rebuilds ``_BatchNormXd`` modules instead of the user's classes. This plugin
+
+* converts every ``_BatchNorm`` (BatchNorm1d/2d/3d and user subclasses) to a synchronised layer that shares the same
+  ``Parameter`` objects and buffers, so optimizer state and checkpoints keep working: the portable
+  :class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm` (any backend), or torch's fused CUDA kernels
+  (``torch.nn.SyncBatchNorm``) where they apply;
+* synchronises within consecutive groups of ``group_size`` ranks (``[0..k-1]``, ``[k..2k-1]``, ...), as Apex's
+  ``convert_syncbn_model(process_group=...)`` did, e.g. one node;
+* reverts to the *original module objects* (their classes, attributes and hooks), pointed at the trained parameters
+  and the current buffers (``model.to(device)`` replaces buffer tensors after ``apply``), with unchanged
+  ``state_dict`` keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins import LayerSync
+from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
+
+from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
+
+__all__ = ["AccelSyncBatchNorm", "count_batchnorm_layers"]
+
+_Implementation = Literal["auto", "portable", "torch"]
+# Where a converted layer keeps the module it replaced. Stored in ``__dict__`` directly: assigning a Module through
+# ``Module.__setattr__`` would register it as a child and change ``state_dict`` keys, ``parameters()`` and ``.to()``.
+_ORIGINAL = "_lit_accel_original"
+# The device a process-group backend carries tensors on; gloo, mpi and ucc carry CPU tensors.
+_BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+
+
+def count_batchnorm_layers(model: Module) -> int:
+    """Number of BatchNorm layers (``torch.nn.modules.batchnorm._BatchNorm``, synchronised ones included) in ``model``.
+
+    A module shared at several places counts once. ``AccelDDP`` uses it to tell the user that ``sync_batchnorm=True``
+    has nothing to do on a model without BatchNorm (a ViT, say).
+    """
+    return sum(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+def _is_synced(module: Module) -> bool:
+    return isinstance(module, (SyncBatchNorm, torch.nn.SyncBatchNorm))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+class AccelSyncBatchNorm(LayerSync):
+    """Synchronise BatchNorm statistics across ranks (or groups of ranks) on any backend, and undo it exactly.
+
+    Args:
+        group_size: synchronise within consecutive groups of this many ranks (ranks ``[0..k-1]``, ``[k..2k-1]``, ...),
+            e.g. the GPUs of one node. ``None`` (default) synchronises the whole world; ``1`` is local BatchNorm (no
+            communication). Must divide the world size (checked in :meth:`apply`).
+        implementation: ``"portable"`` always uses :class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm` (one
+            all-reduce per forward and per backward, any backend); ``"torch"`` uses ``torch.nn.SyncBatchNorm``
+            (fused kernels, CUDA/XPU/HPU only); ``"auto"`` (default) picks torch's when the layers will run on CUDA
+            with the NCCL backend and the portable one otherwise. Both give the same result there; torch's is faster.
+
+    Raises:
+        TypeError: ``group_size`` is not an int or None.
+        ValueError: ``group_size`` is not positive, or ``implementation`` is not one of the three.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
+
+        # 2 nodes x 8 GPUs: BatchNorm statistics over the 8 GPUs of each node
+        trainer = pl.Trainer(
+            accelerator="gpu", devices=8, num_nodes=2, strategy="ddp", plugins=[AccelSyncBatchNorm(group_size=8)]
+        )
+    """
+
+    def __init__(self, group_size: int | None = None, implementation: _Implementation = "auto") -> None:
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+            raise TypeError(
+                f"AccelSyncBatchNorm(group_size={group_size!r}): expected a positive int or None (the whole world),"
+                f" got {type(group_size).__name__}. Pass e.g. group_size=8 to synchronise the 8 GPUs of each node."
+            )
+        if group_size is not None and group_size < 1:
+            raise ValueError(
+                f"AccelSyncBatchNorm(group_size={group_size}): expected a positive int or None (the whole world)."
+                " Pass e.g. group_size=8 to synchronise the 8 GPUs of each node, or 1 for local BatchNorm."
+            )
+        if implementation not in get_args(_Implementation):
+            raise ValueError(
+                f"AccelSyncBatchNorm(implementation={implementation!r}): expected one of"
+                f" {list(get_args(_Implementation))}. Use 'auto' unless you need to force one."
+            )
+        self.group_size = group_size
+        self.implementation: _Implementation = implementation
+        #: Number of layers the last :meth:`apply` converted.
+        self.num_converted = 0
+        #: The implementation the last :meth:`apply` used: ``"portable"`` or ``"torch"`` (None before).
+        self.resolved_implementation: Literal["portable", "torch"] | None = None
+        #: The process group of this rank's layers (None: the whole world).
+        self.process_group: Any | None = None
+
+    @override
+    def apply(self, model: Module) -> Module:
+        """Convert every BatchNorm layer of ``model`` to a synchronised one sharing its parameters and buffers.
+
+        Call it on every rank, after the default process group exists: it creates the sub-groups with
+        ``torch.distributed.new_group`` (all ranks, same order). Layers already synchronised are left alone.
+
+        Args:
+            model: the model (typically the LightningModule), converted in place; a BatchNorm root is replaced.
+
+        Returns:
+            The converted model.
+
+        Raises:
+            ValueError: ``group_size`` does not divide the world size, or ``implementation="torch"`` while the layers
+                will run on CPU.
+        """
+        self.process_group = self._create_group()
+        todo = [m for m in model.modules() if isinstance(m, _BatchNorm) and not _is_synced(m)]
+        self.num_converted = 0
+        self.resolved_implementation = None
+        if not todo:
+            return model
+        self.resolved_implementation = self._resolve_implementation(todo[0])
+        return self._convert(model, {})
+
+    @override
+    def revert(self, model: Module) -> Module:
+        """Put back the modules :meth:`apply` replaced, with the current parameters and buffers.
+
+        Layers converted by :meth:`apply` (with either implementation) become their original objects again — the
+        user's classes and attributes — pointing at the synchronised layer's parameters and buffers, so the trained
+        values, the current running statistics and the ``state_dict`` keys carry over. Other modules are untouched.
+
+        Args:
+            model: a model returned by :meth:`apply` (possibly moved to another device since).
+
+        Returns:
+            The model with its original BatchNorm layers.
+        """
+        return self._revert(model, {})
+
+    def _create_group(self) -> Any | None:
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if initialized else 1
+        k = self.group_size
+        if k is not None and world_size % k != 0:
+            raise ValueError(
+                f"AccelSyncBatchNorm(group_size={k}): the group size must divide the world size {world_size}"
+                f" (groups are consecutive ranks [0..k-1], [k..2k-1], ...). Valid group sizes for world size"
+                f" {world_size}: {_divisors(world_size)}. Pick one of them, or group_size=None for the whole world."
+            )
+        if k is None or k == world_size:
+            return None
+        # Every rank creates every group, in the same order (a new_group requirement), via torch's own helper.
+        group, _ = dist.new_subgroups(group_size=k)
+        return group
+
+    def _resolve_implementation(self, layer: Module) -> Literal["portable", "torch"]:
+        device = next((t.device.type for t in (*layer.parameters(), *layer.buffers())), "cpu")
+        backend = str(dist.get_backend(self.process_group)) if dist.is_available() and dist.is_initialized() else ""
+        if device in ("cpu", "meta"):
+            # Lightning applies layer sync *before* moving the model to its device: the backend tells where the layers
+            # will run (NCCL carries only CUDA tensors).
+            device = _BACKEND_DEVICE.get(backend, device)
+        if self.implementation == "portable":
+            return "portable"
+        if self.implementation == "torch":
+            if device in ("cpu", "meta"):
+                raise ValueError(
+                    f"AccelSyncBatchNorm(implementation='torch'): the BatchNorm layers will run on CPU (device"
+                    f" {device!r}, process-group backend {backend or 'none'!r}), but torch.nn.SyncBatchNorm only runs"
+                    " on CUDA/XPU/HPU devices (on CPU its forward and DDP's constructor raise). Use"
+                    " implementation='portable' (or 'auto'), which runs on every backend."
+                )
+            return "torch"
+        return "torch" if device == "cuda" and "nccl" in backend else "portable"
+
+    def _convert(self, module: Module, memo: dict[int, Module]) -> Module:
+        if id(module) in memo:  # a layer shared at several places stays shared
+            return memo[id(module)]
+        out = module
+        if isinstance(module, _BatchNorm) and not _is_synced(module):
+            out = self._to_sync(module)
+            self.num_converted += 1
+        memo[id(module)] = out
+        # `_modules`, not `named_children()`, which lists a module registered under two names only once.
+        for name, child in list(module._modules.items()):
+            out._modules[name] = None if child is None else self._convert(child, memo)
+        return out
+
+    def _to_sync(self, bn: _BatchNorm) -> Module:
+        cls = torch.nn.SyncBatchNorm if self.resolved_implementation == "torch" else SyncBatchNorm
+        # Built on the meta device: its own tensors are replaced by the original's right away.
+        sync = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, device="meta")
+        sync.process_group = self.process_group
+        # Share every parameter and buffer *object* (user subclasses may add some), so optimizer state and the
+        # state_dict keys are those of the original layer.
+        sync._parameters.clear()
+        sync._parameters.update(bn._parameters)
+        sync._buffers.clear()
+        sync._buffers.update(bn._buffers)
+        sync._non_persistent_buffers_set.clear()
+        sync._non_persistent_buffers_set.update(bn._non_persistent_buffers_set)
+        sync.training = bn.training
+        if hasattr(bn, "qconfig"):  # as torch.nn.SyncBatchNorm.convert_sync_batchnorm does
+            sync.qconfig = bn.qconfig
+        sync.__dict__[_ORIGINAL] = bn
+        return sync
+
+    def _revert(self, module: Module, memo: dict[int, Module]) -> Module:
+        if id(module) in memo:
+            return memo[id(module)]
+        original = module.__dict__.get(_ORIGINAL)
+        out = module
+        if original is not None:
+            # The synced layer holds the current tensors: `.to()`/`.cuda()` after apply replaced its buffers (and,
+            # with swapped module params, its parameters), not the original's.
+            original._parameters.update(module._parameters)
+            original._buffers.update(module._buffers)
+            original.training = module.training
+            out = original
+        memo[id(module)] = out
+        for name, child in list(module._modules.items()):
+            out._modules[name] = None if child is None else self._revert(child, memo)
+        return out

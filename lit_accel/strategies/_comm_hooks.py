@@ -1,0 +1,285 @@
+"""DDP communication hooks by name, and the wrapper that counts and times every gradient collective.
+
+:class:`~lit_accel.strategies.accel_ddp.AccelDDP` always registers its hook through :func:`counting_comm_hook`, even
+when the user chose none (then the hook is torch's plain ``allreduce_hook``, which DDP documents as equivalent to
+registering nothing). The wrapper keeps host-side Python counters (:class:`CommStats`) that the ``EfficiencyMonitor``
+reads at logging steps: counting costs no device synchronisation, and timing is resolved only in
+:meth:`CommStats.pop_elapsed_s`.
+
+What is counted, per gradient bucket (``calls`` / ``bytes`` on the wire per rank, before the all-reduce algorithm):
+
+* default (torch's ``allreduce_hook``): 1 collective, ``numel x element size`` of the bucket;
+* ``"fp16"`` / ``"bf16"``: 1 collective, ``numel x 2`` (the bucket cast to 16 bits);
+* ``"powersgd"``: before ``start_powerSGD_iter`` as the default; then 3 collectives (the uncompressed tensors, P and
+  Q), with the element count torch's ``PowerSGDState`` itself adds to ``total_numel_after_compression`` for the
+  bucket;
+* a callable: assumed 1 collective of the bucket's uncompressed size (the wrapper cannot see inside it).
+"""
+
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+
+__all__ = [
+    "COMM_HOOK_NAMES",
+    "CommHookName",
+    "CommStats",
+    "counting_comm_hook",
+    "resolve_comm_hook",
+    "validate_comm_hook",
+]
+
+CommHookName = Literal["fp16", "bf16", "powersgd"]
+COMM_HOOK_NAMES: tuple[str, ...] = ("fp16", "bf16", "powersgd")
+
+_HookKind = Literal["allreduce", "fp16", "bf16", "powersgd", "custom"]
+# Intervals kept for pop_elapsed_s; beyond this (nobody popped for thousands of collectives) they are folded into a
+# number so that memory stays bounded. An EfficiencyMonitor pops at every logging step, far below it.
+_MAX_PENDING = 4096
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+class CommStats:
+    """Host-side counters of the gradient collectives issued by DDP through AccelDDP's comm hook.
+
+    Attributes:
+        calls: all-reduce collectives issued so far (cumulative; a Python ``int``).
+        bytes: bytes those collectives put on the wire per rank, after any compression (cumulative; a Python
+            ``int``). This is the payload size; a ring all-reduce moves about ``2 (n - 1) / n`` times it per rank
+            (Patarasuk & Yuan, 2009).
+
+    Only gradient all-reduces issued by DDP are counted: SyncBatchNorm's statistics and ``broadcast_buffers`` go
+    through other collectives.
+    """
+
+    def __init__(self) -> None:
+        self.calls: int = 0
+        self.bytes: int = 0
+        self._lock = threading.Lock()
+        # Finished collectives as (start, end): floats from ``time.perf_counter`` on CPU, CUDA events on GPU. The
+        # end is added by the future's callback, which may run on a backend thread: hence the lock.
+        self._cpu_intervals: list[tuple[float, float]] = []
+        self._cuda_intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._folded_s = 0.0  # time of intervals folded away while nobody popped
+
+    def pop_elapsed_s(self) -> float:
+        """Seconds during which at least one gradient collective was in flight, since the previous call.
+
+        Overlapping collectives (several buckets in flight at once) are counted once: this is the union of their
+        intervals, so it never exceeds wall-clock time. On CUDA the interval runs from the moment DDP hands the
+        bucket to the hook (an event on the current stream) to the completion of the collective's future, and
+        this call waits for those events: call it at logging steps only.
+        """
+        with self._lock:
+            cpu, self._cpu_intervals = self._cpu_intervals, []
+            cuda, self._cuda_intervals = self._cuda_intervals, []
+            elapsed, self._folded_s = self._folded_s, 0.0
+        for start, end in cuda:
+            start.synchronize()
+            end.synchronize()
+        return elapsed + _union_length(cpu) + _union_length(_cuda_spans(cuda))
+
+    def _start(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _finish(self, start: Any, fut: torch.futures.Future) -> Any:
+        # Runs as the future's ``then`` callback, when the collective has completed (on CUDA: with the current
+        # stream synchronised to the collective's, so an event recorded now marks its end on the device).
+        if isinstance(start, float):
+            interval = (start, time.perf_counter())
+            with self._lock:
+                self._cpu_intervals.append(interval)
+                if len(self._cpu_intervals) > _MAX_PENDING:
+                    self._folded_s += _union_length(self._cpu_intervals)
+                    self._cpu_intervals = []
+        else:
+            end_event = torch.cuda.Event(enable_timing=True)
+            end_event.record()
+            with self._lock:
+                self._cuda_intervals.append((start, end_event))
+                if len(self._cuda_intervals) > _MAX_PENDING:
+                    self._fold_finished_cuda()
+        return fut.value()
+
+    def _fold_finished_cuda(self) -> None:
+        # Nobody popped for a long time: fold the collectives whose events have completed (``query`` does not
+        # block) into a number, so the pending list stays bounded without a host sync on the training path.
+        finished = [(s, e) for s, e in self._cuda_intervals if s.query() and e.query()]
+        if finished:
+            done = {id(e) for _, e in finished}
+            self._folded_s += _union_length(_cuda_spans(finished))
+            self._cuda_intervals = [(s, e) for s, e in self._cuda_intervals if id(e) not in done]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable for start_method="spawn" (the Trainer and its strategy are pickled): the counters travel, the
+        # lock and the timing intervals (CUDA events cannot be pickled) do not.
+        return {"calls": self.calls, "bytes": self.bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.calls, self.bytes = state["calls"], state["bytes"]
+
+    def __repr__(self) -> str:
+        return f"CommStats(calls={self.calls}, bytes={self.bytes})"
+
+
+def _cuda_spans(events: list[tuple[Any, Any]]) -> list[tuple[float, float]]:
+    """Completed (start, end) CUDA event pairs as seconds relative to the first start."""
+    if not events:
+        return []
+    reference = events[0][0]
+    return [(reference.elapsed_time(s) / 1e3, reference.elapsed_time(e) / 1e3) for s, e in events]
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total = 0.0
+    current_start = current_end = None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"AccelDDP({name}={value!r}): expected one of {', '.join(map(repr, choices))}.")
+
+
+def _require_positive_int(name: str, value: object, minimum: int = 1) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(
+            f"AccelDDP({name}={value!r}): expected an int >= {minimum} or None. Fix: pass e.g. {name}={minimum}."
+        )
+
+
+def validate_comm_hook(
+    comm_hook: object, comm_state: object, powersgd_rank: int | None, powersgd_start_iter: int | None
+) -> None:
+    """Check AccelDDP's comm-hook arguments at construction; raise naming the value, what is allowed and the fix."""
+    if isinstance(comm_hook, str):
+        _require_choice("comm_hook", comm_hook, COMM_HOOK_NAMES)
+    elif comm_hook is not None:
+        if not callable(comm_hook):
+            raise TypeError(
+                f"AccelDDP(comm_hook={comm_hook!r}): expected None, one of {COMM_HOOK_NAMES} or a callable"
+                " hook(state, bucket) -> torch.futures.Future[torch.Tensor]."
+            )
+        try:
+            inspect.signature(comm_hook).bind(None, None)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"AccelDDP(comm_hook={comm_hook!r}) cannot be called as hook(state, bucket): {err}. Fix: give it"
+                " the signature of torch's ddp_comm_hooks, e.g. default_hooks.allreduce_hook."
+            ) from err
+    if comm_hook != "powersgd" and (powersgd_rank is not None or powersgd_start_iter is not None):
+        raise ValueError(
+            f"AccelDDP(powersgd_rank={powersgd_rank!r}, powersgd_start_iter={powersgd_start_iter!r}) only apply"
+            f" to comm_hook='powersgd', got comm_hook={comm_hook!r}. Fix: pass comm_hook='powersgd' or drop them."
+        )
+    if comm_hook == "powersgd":
+        if comm_state is not None:
+            if not isinstance(comm_state, powerSGD_hook.PowerSGDState):
+                raise TypeError(
+                    f"AccelDDP(comm_hook='powersgd', comm_state={comm_state!r}): expected a PowerSGDState or None."
+                )
+            if powersgd_rank is not None or powersgd_start_iter is not None:
+                raise ValueError(
+                    "AccelDDP(comm_hook='powersgd'): pass either comm_state=PowerSGDState(...) or powersgd_rank/"
+                    "powersgd_start_iter, not both. Fix: set the rank and start iteration in your PowerSGDState."
+                )
+        _require_positive_int("powersgd_rank", powersgd_rank)
+        # PowerSGD's error feedback and warm start need two plain all-reduce steps first (DDP rebuilds its
+        # buckets after the first iteration; torch raises for start_powerSGD_iter <= 1).
+        _require_positive_int("powersgd_start_iter", powersgd_start_iter, minimum=2)
+    elif comm_state is not None and not callable(comm_hook):
+        raise ValueError(
+            f"AccelDDP(comm_state={comm_state!r}) is only used with comm_hook='powersgd' or a callable hook, got"
+            f" comm_hook={comm_hook!r}. Fix: drop comm_state."
+        )
+    if isinstance(comm_state, post_localSGD_hook.PostLocalSGDState):
+        raise ValueError(
+            "AccelDDP does not support post-local SGD (comm_state=PostLocalSGDState): it needs periodic model"
+            " averaging. Fix: use Lightning's DDPStrategy(ddp_comm_state=..., model_averaging_period=...)."
+        )
+
+
+def resolve_comm_hook(
+    comm_hook: str | CommHook | None,
+    comm_state: object | None,
+    powersgd_rank: int,
+    powersgd_start_iter: int,
+    process_group: dist.ProcessGroup | None,
+) -> tuple[CommHook, object | None, _HookKind]:
+    """Turn AccelDDP's ``comm_hook`` argument into ``(hook, state, kind)`` for :func:`counting_comm_hook`.
+
+    Arguments are validated by AccelDDP's constructor; this only maps them. ``process_group`` is the DDP module's
+    (the default group unless the user passed one): torch's built-in hooks take it as their state, and a PowerSGD
+    state is created for it here, once the group exists.
+    """
+    if comm_hook is None:
+        return default_hooks.allreduce_hook, process_group, "allreduce"
+    if comm_hook == "fp16":
+        return default_hooks.fp16_compress_hook, process_group, "fp16"
+    if comm_hook == "bf16":
+        return default_hooks.bf16_compress_hook, process_group, "bf16"
+    if comm_hook == "powersgd":
+        state = comm_state
+        if state is None:
+            state = powerSGD_hook.PowerSGDState(
+                process_group=process_group,
+                matrix_approximation_rank=powersgd_rank,
+                start_powerSGD_iter=powersgd_start_iter,
+            )
+        return powerSGD_hook.powerSGD_hook, state, "powersgd"
+    assert callable(comm_hook)
+    return comm_hook, comm_state, "custom"
+
+
+def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: CommStats) -> CommHook:
+    """Wrap a DDP comm hook so that every bucket it reduces is counted and timed in ``stats``.
+
+    The wrapper adds a few Python integer operations and one ``Future.then`` per bucket; it never reads a device
+    value. See the module docstring for what is counted per hook.
+    """
+
+    def accel_counting_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        numel = buffer.numel()
+        compressing = False
+        numel_before = 0
+        if kind == "powersgd":
+            compressing = state.iter >= state.start_powerSGD_iter  # type: ignore[attr-defined]
+            numel_before = state.total_numel_after_compression  # type: ignore[attr-defined]
+        start = stats._start(buffer.device)
+        fut = hook(state, bucket)
+        if kind in ("fp16", "bf16"):
+            calls, nbytes = 1, numel * 2
+        elif compressing:
+            # PowerSGD all-reduces the tensors it does not compress, then P, then Q (three collectives, issued
+            # even when a list is empty); the state adds exactly their element counts while building them.
+            calls = 3
+            nbytes = (state.total_numel_after_compression - numel_before) * buffer.element_size()  # type: ignore[attr-defined]
+        else:
+            calls, nbytes = 1, numel * buffer.element_size()
+        stats.calls += calls
+        stats.bytes += nbytes
+        return fut.then(lambda f: stats._finish(start, f))
+
+    accel_counting_hook.__qualname__ = f"accel_counting_hook({getattr(hook, '__qualname__', repr(hook))})"
+    return accel_counting_hook

@@ -1,0 +1,209 @@
+"""DynamicGradScaler on its own: the update policy against torch and against a plain-Python statement of the rules."""
+
+import pickle
+import random
+
+import pytest
+import torch
+
+from lit_accel.plugins._grad_scaler import DynamicGradScaler, ScalerStats
+
+
+def _step(scaler, param, opt, overflow: bool) -> None:
+    """One iteration: scaled backward of a simple loss, inf injected into the gradient on overflow steps."""
+    opt.zero_grad()
+    scaler.scale((param**2).sum()).backward()
+    if overflow:
+        param.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+
+
+def _param_and_opt(fused: bool = False):
+    param = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 5))
+    return param, torch.optim.AdamW([param], lr=0.01, fused=fused)
+
+
+def _reference_policy(pattern, init, growth, backoff, interval, hysteresis, min_scale, max_scale):
+    """The rules of the module docstring, one Python line each, for comparison with the tensor implementation."""
+    scale, tracker, streak = init, 0, 0
+    skipped = growths = backoffs = hits = 0
+    trace = []
+    for overflow in pattern:
+        if overflow:
+            skipped += 1
+            tracker = 0
+            streak += 1
+            if streak >= hysteresis:
+                streak = 0
+                if scale <= min_scale:
+                    hits += 1
+                new = max(scale * backoff, min_scale)
+                backoffs += new < scale
+                scale = new
+        else:
+            streak = 0
+            tracker += 1
+            if tracker >= interval:
+                tracker = 0
+                new = min(scale * growth, max_scale)
+                growths += new > scale
+                scale = new
+        trace.append((scale, tracker, streak, skipped, growths, backoffs, hits))
+    return trace
+
+
+def test_hysteresis_one_matches_torch_exactly():
+    """With hysteresis=1 and no bounds in reach, scale, tracker and weights equal torch.amp.GradScaler's."""
+    rng = random.Random(0)
+    pattern = [rng.random() < 0.3 for _ in range(40)]
+    kwargs = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours = DynamicGradScaler("cpu", **kwargs, min_scale=2.0**-30, max_scale=2.0**40)
+    theirs = torch.amp.GradScaler("cpu", **kwargs)
+    p1, o1 = _param_and_opt()
+    p2, o2 = _param_and_opt()
+    for overflow in pattern:
+        _step(ours, p1, o1, overflow)
+        _step(theirs, p2, o2, overflow)
+        assert ours.get_scale() == theirs.get_scale()
+        assert ours._get_growth_tracker() == theirs._get_growth_tracker()
+    assert torch.equal(p1, p2)
+    assert sum(pattern) > 5 and ours.get_scale() != 2.0**10  # the pattern exercised growth and back-off
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_policy_matches_the_reference_rules_with_bounds(hysteresis):
+    rng = random.Random(hysteresis)
+    # Long overflow bursts drive the scale to min_scale (hits); clean runs drive it to max_scale.
+    pattern = [True] * 14 + [rng.random() < 0.5 for _ in range(30)] + [False] * 12 + [True, True, False] * 3
+    settings = dict(init_scale=8.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    bounds = dict(hysteresis=hysteresis, min_scale=0.5, max_scale=32.0)
+    scaler = DynamicGradScaler("cpu", **settings, **bounds)
+    expected = _reference_policy(pattern, 8.0, 2.0, 0.5, 2, hysteresis=hysteresis, min_scale=0.5, max_scale=32.0)
+    param, opt = _param_and_opt()
+    for overflow, row in zip(pattern, expected):
+        _step(scaler, param, opt, overflow)
+        s = scaler.stats()
+        got = (
+            s.scale.item(),
+            s.growth_tracker.item(),
+            s.overflow_streak.item(),
+            s.skipped_steps.item(),
+            s.growths.item(),
+            s.backoffs.item(),
+            scaler.counter("min_scale_hits").item(),
+        )
+        assert got == row
+    final = expected[-1]
+    assert final[6] > 0 and final[4] > 0  # reached both bounds' behaviours: min-scale hits and growths
+    assert max(r[0] for r in expected) == 32.0 and min(r[0] for r in expected) == 0.5
+    assert scaler.counter("steps").item() == len(pattern)
+
+
+def test_first_min_scale_hit_records_the_step_index():
+    scaler = DynamicGradScaler("cpu", init_scale=4.0, min_scale=1.0)
+    param, opt = _param_and_opt()
+    for _ in range(5):
+        _step(scaler, param, opt, overflow=True)
+    # 4 -> 2 -> 1 in steps 0 and 1; step 2 overflows at the minimum.
+    assert scaler.read_min_scale_state() == (1.0, 3, 2)
+
+
+def test_static_scaling_keeps_the_scale_and_still_skips():
+    scaler = DynamicGradScaler("cpu", init_scale=4.0, dynamic=False)
+    param, opt = _param_and_opt()
+    _step(scaler, param, opt, overflow=False)
+    before = param.detach().clone()
+    _step(scaler, param, opt, overflow=True)
+    assert torch.equal(param, before)
+    for _ in range(3):
+        _step(scaler, param, opt, overflow=False)
+    s = scaler.stats()
+    assert (s.scale.item(), s.skipped_steps.item(), s.growths.item(), s.backoffs.item()) == (4.0, 1, 0, 0)
+
+
+def test_skip_is_known_on_the_host_for_plain_optimizers_and_on_device_for_fused():
+    plain = DynamicGradScaler("cpu", init_scale=4.0)
+    param, opt = _param_and_opt()
+    assert plain.last_step_skipped(opt) is None
+    _step(plain, param, opt, overflow=True)
+    assert plain.last_step_skipped(opt) is True
+    _step(plain, param, opt, overflow=False)
+    assert plain.last_step_skipped(opt) is False
+
+    fused = DynamicGradScaler("cpu", init_scale=4.0)
+    param, opt = _param_and_opt(fused=True)
+    _step(fused, param, opt, overflow=True)
+    flag = fused.last_step_skipped(opt)
+    assert isinstance(flag, torch.Tensor) and flag.item() > 0
+    _step(fused, param, opt, overflow=False)
+    assert fused.last_step_skipped(opt).item() == 0
+
+
+def test_stats_are_device_tensor_snapshots():
+    scaler = DynamicGradScaler("cpu", init_scale=4.0)
+    param, opt = _param_and_opt()
+    _step(scaler, param, opt, overflow=True)
+    stats = scaler.stats()
+    assert isinstance(stats, ScalerStats)
+    assert stats.scale.dtype == torch.float32
+    assert all(t.dtype == torch.int64 and t.shape == () for t in stats[1:])
+    _step(scaler, param, opt, overflow=True)
+    assert stats.skipped_steps.item() == 1 and stats.scale.item() == 2.0  # a snapshot, not the live tensors
+    assert scaler.stats().skipped_steps.item() == 2
+
+
+def test_state_dict_round_trip_and_settings_from_the_constructor():
+    a = DynamicGradScaler("cpu", init_scale=64.0, growth_interval=3, hysteresis=2)
+    param, opt = _param_and_opt()
+    for overflow in [False, True, True, False, True]:
+        _step(a, param, opt, overflow)
+    state = a.state_dict()
+    assert (state["scale"], state["_growth_tracker"], state["overflow_streak"]) == (32.0, 0, 1)
+    assert (state["skipped_steps"], state["backoffs"], state["steps"]) == (3, 1, 5)
+
+    b = DynamicGradScaler("cpu", init_scale=64.0, growth_interval=7, hysteresis=2, min_scale=0.25)
+    b.load_state_dict(state)
+    assert b.state_dict() | {"growth_interval": 3, "min_scale": 1.0} == state
+    assert b.get_growth_interval() == 7 and b.min_scale == 0.25  # settings stay the constructor's
+
+    clamped = DynamicGradScaler("cpu", init_scale=64.0, min_scale=64.0)
+    clamped.load_state_dict(state)
+    assert clamped.get_scale() == 64.0
+
+
+def test_loads_a_plain_torch_grad_scaler_state():
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=4)
+    param, opt = _param_and_opt()
+    for overflow in [False, True, False]:
+        _step(torch_scaler, param, opt, overflow)
+    ours = DynamicGradScaler("cpu", growth_interval=4)
+    ours.load_state_dict(torch_scaler.state_dict())
+    assert ours.get_scale() == torch_scaler.get_scale() == 256.0
+    assert ours._get_growth_tracker() == 1
+    assert ours.stats().skipped_steps.item() == 0  # counters torch does not keep start at zero
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(backoff_factor=1.0), "backoff_factor=1.0"),
+        (dict(growth_factor=1.0), "growth_factor=1.0"),
+        (dict(init_scale=0.0), "init_scale=0.0"),
+        (dict(min_scale=8.0, init_scale=4.0), "min_scale=8.0"),
+    ],
+)
+def test_bad_settings_name_the_class_and_the_value(kwargs, needle):
+    with pytest.raises(ValueError, match=f"DynamicGradScaler\\({needle}"):
+        DynamicGradScaler("cpu", **kwargs)
+
+
+def test_pickle_round_trip_keeps_scale_tracker_and_counters():
+    scaler = DynamicGradScaler("cpu", init_scale=64.0, growth_interval=5, hysteresis=2)
+    param, opt = _param_and_opt()
+    for overflow in [True, True, False, False, True]:
+        _step(scaler, param, opt, overflow)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict()
+    _step(clone, param, opt, overflow=True)  # and it keeps working: second overflow in a row backs off
+    assert clone.get_scale() == 16.0

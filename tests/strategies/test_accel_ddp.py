@@ -1,0 +1,489 @@
+"""AccelDDP (issue #3, strategy part): construction, registry, SyncBatchNorm wiring, comm hooks on gloo, backend.
+
+Distributed behaviour runs in real forked gloo ranks; the pytest process never creates a process group, so the
+single-process references below use Lightning's default single-device strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+
+from lit_accel import AccelDDP
+from lit_accel.strategies._comm_hooks import CommStats
+from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
+
+ATOL = 1e-5
+
+
+@contextmanager
+def _info_messages():
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.pytorch")
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+def _assert_states_close(actual: dict, expected: dict, atol: float = ATOL) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=atol, msg=key)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Construction and registry (no processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _two_arg_lambda(state, bucket):
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"global_batch_size": 0}, ValueError, r"global_batch_size=0\): expected an int >= 1"),
+        ({"global_batch_size": 2.5}, ValueError, r"global_batch_size=2.5\)"),
+        ({"global_batch_size": True}, ValueError, r"global_batch_size=True\)"),
+        ({"micro_batch_size": 8}, ValueError, r"micro_batch_size=8\) only serves global_batch_size.*Fix"),
+        ({"partial_window": "sum"}, ValueError, r"partial_window='sum'\): expected one of 'mean', 'lightning'"),
+        ({"sync_batchnorm": "yes"}, TypeError, r"sync_batchnorm='yes'\): expected True or False"),
+        ({"static_graph": 1}, TypeError, r"static_graph=1\)"),
+        ({"sync_bn_group_size": 0}, ValueError, r"sync_bn_group_size=0\)"),
+        ({"sync_bn_implementation": "apex"}, ValueError, r"sync_bn_implementation='apex'\).*'portable'"),
+        ({"comm_hook": "fp8"}, ValueError, r"comm_hook='fp8'\): expected one of 'fp16', 'bf16', 'powersgd'"),
+        ({"comm_hook": 42}, TypeError, r"comm_hook=42\)"),
+        ({"comm_hook": lambda bucket: bucket}, TypeError, r"cannot be called as hook\(state, bucket\).*Fix"),
+        ({"comm_hook": "fp16", "comm_state": object()}, ValueError, r"comm_state=.* is only used with"),
+        ({"comm_hook": "bf16", "powersgd_rank": 2}, ValueError, r"powersgd_rank=2.*only apply to comm_hook='powersgd'"),
+        ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, ValueError, r"powersgd_start_iter=1\).*>= 2"),
+        ({"comm_hook": "powersgd", "powersgd_rank": 0}, ValueError, r"powersgd_rank=0\)"),
+        ({"comm_hook": "powersgd", "comm_state": "state"}, TypeError, r"expected a PowerSGDState"),
+        (
+            {"comm_hook": _two_arg_lambda, "comm_state": post_localSGD_hook.PostLocalSGDState(None, None, 10)},
+            ValueError,
+            r"post-local SGD.*Fix: use Lightning's DDPStrategy",
+        ),
+        ({"bucket_cap_mb": -1}, ValueError, r"bucket_cap_mb=-1\): expected a positive, finite number"),
+        ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb=0\)"),
+        ({"bucket_cap_mb": math.nan}, ValueError, r"bucket_cap_mb=nan\)"),
+        ({"bucket_cap_mb": "25"}, ValueError, r"bucket_cap_mb='25'\)"),
+        ({"process_group_backend": "nccI"}, ValueError, r"process_group_backend='nccI'\).*gloo"),
+        ({"ddp_comm_hook": default_hooks.fp16_compress_hook}, TypeError, r"ddp_comm_hook=...\) is DDPStrategy's.*"),
+        ({"bucket_size": 3}, TypeError, r"unknown argument\(s\) \['bucket_size'\].*forward_sync_buffers"),
+    ],
+)
+def test_bad_arguments_raise_at_construction_naming_the_value(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        AccelDDP(**kwargs)
+
+
+def test_good_arguments_reach_distributed_data_parallel():
+    powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=5)
+    strategy = AccelDDP(comm_hook="powersgd", comm_state=powersgd, bucket_cap_mb=10, forward_sync_buffers=False)
+    assert strategy._ddp_kwargs == {
+        "gradient_as_bucket_view": True,
+        "static_graph": False,
+        "find_unused_parameters": False,
+        "forward_sync_buffers": False,
+        "bucket_cap_mb": 10,
+    }
+    assert isinstance(strategy.comm_stats, CommStats) and strategy.comm_stats.calls == 0
+    assert strategy.global_batch_size is None and strategy.micro_batch_size is None
+    assert AccelDDP(global_batch_size=64).global_batch_size == 64
+
+
+def test_registered_names_and_start_methods():
+    expected = {
+        "accel_ddp": "popen",
+        "accel_ddp_spawn": "spawn",
+        "accel_ddp_fork": "fork",
+        "accel_ddp_notebook": "fork",
+    }
+    for name, start_method in expected.items():
+        assert name in StrategyRegistry.available_strategies()
+        strategy = StrategyRegistry.get(name)
+        assert type(strategy) is AccelDDP and strategy._start_method == start_method
+    AccelDDP.register_strategies(StrategyRegistry)  # idempotent: a second registration neither raises nor replaces
+    assert StrategyRegistry["accel_ddp"]["strategy"] is AccelDDP
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="accel_ddp", logger=False)
+    assert isinstance(trainer.strategy, AccelDDP)
+
+
+def test_strategy_pickles_for_spawn_with_its_counters():
+    strategy = AccelDDP(global_batch_size=64, comm_hook="powersgd", powersgd_start_iter=3)
+    strategy.comm_stats.calls, strategy.comm_stats.bytes = 3, 120
+    restored = pickle.loads(pickle.dumps(strategy))
+    assert (restored.comm_stats.calls, restored.comm_stats.bytes) == (3, 120)
+    assert restored.global_batch_size == 64 and restored.comm_stats.pop_elapsed_s() == 0.0
+
+
+def test_comm_stats_elapsed_time_is_the_union_of_intervals(monkeypatch):
+    stats = CommStats()
+    clock = iter([0.0, 1.0, 2.0, 3.0, 5.0, 6.0])  # starts and ends of three collectives, the first two overlap
+    monkeypatch.setattr("lit_accel.strategies._comm_hooks.time.perf_counter", lambda: next(clock))
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(torch.zeros(1))
+    first, second = stats._start(torch.device("cpu")), stats._start(torch.device("cpu"))  # 0.0, 1.0
+    stats._finish(first, done)  # 2.0
+    stats._finish(second, done)  # 3.0
+    third = stats._start(torch.device("cpu"))  # 5.0
+    stats._finish(third, done)  # 6.0
+    assert stats.pop_elapsed_s() == pytest.approx(3.0 + 1.0)  # [0, 3] and [5, 6]
+    assert stats.pop_elapsed_s() == 0.0
+
+
+def test_comm_stats_fold_pending_intervals_when_nobody_pops(monkeypatch):
+    monkeypatch.setattr("lit_accel.strategies._comm_hooks._MAX_PENDING", 3)
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr("lit_accel.strategies._comm_hooks.time.perf_counter", lambda: next(clock))
+    stats = CommStats()
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(torch.zeros(1))
+    for _ in range(10):  # ten disjoint collectives of 1 s each: [0, 1], [2, 3], ...
+        stats._finish(stats._start(torch.device("cpu")), done)
+        assert len(stats._cpu_intervals) <= 3
+    assert stats.pop_elapsed_s() == pytest.approx(10.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SyncBatchNorm (real processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _UserBatchNorm(nn.BatchNorm1d):
+    """A user subclass: the class AccelDDP must give back after fit."""
+
+    marker = "user"
+
+
+class _ClassRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.during_fit: set[str] = set()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.during_fit.add(type(pl_module.net[1]).__name__)
+
+
+def _bn_model(batchnorm: bool = True) -> BNModel:
+    pl.seed_everything(0, verbose=False)
+    model = BNModel(batchnorm=batchnorm)
+    if batchnorm:
+        model.net[1] = _UserBatchNorm(model.net[1].num_features)
+    return model
+
+
+def _fit_bn(
+    rank: int, world_size: int, strategy: Any, batch_size: int, batchnorm: bool = True, fits: int = 1, **kwargs: Any
+) -> dict:
+    model = _bn_model(batchnorm)
+    recorder = _ClassRecorder()
+    trainer_kwargs = small_trainer_kwargs(max_steps=3, callbacks=[recorder], **kwargs)
+    if strategy is not None:
+        trainer_kwargs.update(devices=world_size, strategy=strategy, use_distributed_sampler=False)
+        loader = make_loader(make_dataset(48), batch_size, rank, world_size)
+    else:
+        loader = make_loader(make_dataset(48), batch_size)
+    trainer = pl.Trainer(**trainer_kwargs)
+    with _info_messages() as messages:
+        for _ in range(fits):
+            trainer.fit(model, loader)
+    return {
+        "state": params_of(model),
+        "class_after": type(model.net[1]),
+        "during_fit": recorder.during_fit,
+        "messages": messages,
+    }
+
+
+def _syncbn_runs(rank: int, world_size: int) -> dict[str, dict]:
+    runs = {
+        "default": _fit_bn(rank, world_size, AccelDDP(), 4),
+        "trainer_flag": _fit_bn(rank, world_size, AccelDDP(), 4, sync_batchnorm=True),
+    }
+    # Two fits of a model without BatchNorm by the same Trainer: the user is told once.
+    runs["no_batchnorm"] = _fit_bn(rank, world_size, AccelDDP(), 4, batchnorm=False, fits=2)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def syncbn_runs() -> list[dict[str, dict]]:
+    return run_distributed(_syncbn_runs, 2, init_process_group=False, timeout=120)
+
+
+def test_syncbn_two_ranks_equal_one_process_on_the_joint_batch_and_classes_come_back(syncbn_runs):
+    # Each rank sees 4 samples per step; their union is the 8-sample batch of the sequential reference.
+    reference = _fit_bn(0, 1, None, 8)
+    assert reference["during_fit"] == {"_UserBatchNorm"}
+    for ranks in syncbn_runs:
+        for case in ("default", "trainer_flag"):
+            run = ranks[case]
+            assert run["during_fit"] == {"SyncBatchNorm"}
+            assert run["class_after"] is _UserBatchNorm  # the user's class, not BatchNorm1d or _BatchNormXd
+            _assert_states_close(run["state"], reference["state"])  # same keys, parameters and running stats
+    for case in ("default", "trainer_flag"):
+        _assert_states_close(syncbn_runs[0][case]["state"], syncbn_runs[1][case]["state"], atol=0)
+    assert "running_mean" in "".join(reference["state"])  # the comparison covers the running statistics
+
+
+def test_syncbn_messages_replacing_torch_and_no_batchnorm_once(syncbn_runs):
+    rank0 = syncbn_runs[0]
+    assert any("Trainer(sync_batchnorm=True) is replaced" in m for m in rank0["trainer_flag"]["messages"])
+    assert not any("is replaced" in m for m in rank0["default"]["messages"])
+    no_bn = [m for m in rank0["no_batchnorm"]["messages"] if "no BatchNorm layer" in m]
+    assert len(no_bn) == 1 and "sync_batchnorm=False" in no_bn[0]
+    assert not any("no BatchNorm layer" in m for m in rank0["default"]["messages"])
+    assert not any("no BatchNorm layer" in m for m in syncbn_runs[1]["no_batchnorm"]["messages"])  # rank zero only
+
+
+def _grouped_running_stats(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    pl.seed_everything(0, verbose=False)
+    model = BNModel()
+    kwargs = small_trainer_kwargs(devices=world_size, max_steps=1, use_distributed_sampler=False)
+    strategy = AccelDDP(sync_bn_group_size=2)
+    pl.Trainer(strategy=strategy, **kwargs).fit(model, make_loader(make_dataset(32), 4, rank, world_size))
+    assert strategy.sync_bn_group_size == 2
+    return {k: v for k, v in params_of(model).items() if "running" in k}
+
+
+def test_sync_bn_group_size_synchronises_consecutive_ranks_only():
+    stats = run_distributed(_grouped_running_stats, 4, init_process_group=False, timeout=120)
+    x, _ = make_dataset(32).tensors
+    for group in ((0, 1), (2, 3)):
+        # The first batch of rank r is samples r, r + 4, r + 8, r + 12 (non-shuffling DistributedSampler).
+        joint = torch.cat([x[r::4][:4] for r in group])
+        pl.seed_everything(0, verbose=False)
+        reference = BNModel().train()
+        reference(joint)
+        expected = {k: v for k, v in params_of(reference).items() if "running" in k}
+        for r in group:
+            _assert_states_close(stats[r], expected)
+    assert not torch.allclose(stats[0]["net.1.running_mean"], stats[2]["net.1.running_mean"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comm hooks on gloo (real processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _CountingAllReduce:
+    """A user hook: torch's all-reduce mean, counting its own calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+        self.calls += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+
+class _StepRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+        self.calls: list[int] = []
+        self.bytes: list[int] = []
+        self.ddp: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = trainer.strategy.model
+        self.ddp = {
+            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+            "static_graph": ddp.static_graph,
+            "find_unused_parameters": ddp.find_unused_parameters,
+            "bucket_bytes_cap": ddp.bucket_bytes_cap,
+        }
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.states.append(params_of(pl_module))
+        self.calls.append(trainer.strategy.comm_stats.calls)
+        self.bytes.append(trainer.strategy.comm_stats.bytes)
+
+
+_HOOKS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "fp16": {"comm_hook": "fp16"},
+    "bf16": {"comm_hook": "bf16"},
+    "powersgd": {"comm_hook": "powersgd", "powersgd_start_iter": 2},
+    "callable": {},
+}
+_STEPS = 4
+
+
+def _hook_runs(rank: int, world_size: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, hook_kwargs in _HOOKS.items():
+        user_hook = _CountingAllReduce() if name == "callable" else None
+        if user_hook is not None:
+            hook_kwargs = {"comm_hook": user_hook}
+        pl.seed_everything(0, verbose=False)
+        model = BNModel(batchnorm=False)
+        recorder = _StepRecorder()
+        strategy = AccelDDP(sync_batchnorm=False, **hook_kwargs)
+        kwargs = small_trainer_kwargs(devices=world_size, max_steps=_STEPS, use_distributed_sampler=False)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[recorder], **kwargs)
+        trainer.fit(model, make_loader(make_dataset(48), 4, rank, world_size))
+        results[name] = {
+            "states": recorder.states,
+            "calls": recorder.calls,
+            "bytes": recorder.bytes,
+            "elapsed": (strategy.comm_stats.pop_elapsed_s(), strategy.comm_stats.pop_elapsed_s()),
+            "user_calls": user_hook.calls if user_hook is not None else None,
+            "ddp": recorder.ddp,
+        }
+        results["backend"] = (strategy.process_group_backend, dist.get_backend())
+    return results
+
+
+@pytest.fixture(scope="module")
+def hook_runs() -> list[dict[str, Any]]:
+    return run_distributed(_hook_runs, 2, init_process_group=False, timeout=120)
+
+
+def _per_step(cumulative: list[int]) -> list[int]:
+    return [b - a for a, b in zip([0, *cumulative], cumulative)]
+
+
+def _powersgd_numel(model: nn.Module, rank: int = 1, min_compression_rate: float = 2.0) -> int:
+    """Elements PowerSGD all-reduces per step: P and Q (n + m) x r for matrices worth compressing, else n x m."""
+    total = 0
+    for p in model.parameters():
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        total += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+    return total
+
+
+@pytest.mark.parametrize("hook", list(_HOOKS))
+def test_comm_hook_trains_on_gloo_and_ranks_stay_identical(hook_runs, hook):
+    rank0, rank1 = (ranks[hook] for ranks in hook_runs)
+    assert len(rank0["states"]) == _STEPS
+    for step in range(_STEPS):
+        _assert_states_close(rank0["states"][step], rank1["states"][step], atol=0)
+    pl.seed_everything(0, verbose=False)
+    initial = params_of(BNModel(batchnorm=False))
+    final = rank0["states"][-1]
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert all(not torch.equal(final[k], initial[k]) for k in initial)
+    default = hook_runs[0]["default"]["states"]
+    if hook in ("default", "callable"):
+        _assert_states_close(final, default[-1], atol=0)
+    elif hook in ("fp16", "bf16"):
+        # Compressed to 16 bits on the wire: close to the fp32 all-reduce, but not equal (the hook really ran).
+        _assert_states_close(final, default[-1], atol=2e-2)
+        assert any(not torch.equal(final[k], default[-1][k]) for k in final)
+    else:
+        # PowerSGD all-reduces plainly before start_powerSGD_iter (2 steps), then compresses.
+        _assert_states_close(rank0["states"][1], default[1], atol=0)
+        assert any(not torch.equal(final[k], default[-1][k]) for k in final)
+
+
+def test_comm_stats_count_collectives_and_bytes_per_hook(hook_runs):
+    model = BNModel(batchnorm=False)
+    numel = sum(p.numel() for p in model.parameters())
+    for ranks in hook_runs:
+        # The user's own hook counts one call per bucket: the unit for every one-collective hook.
+        buckets = ranks["callable"]["user_calls"] // _STEPS
+        assert buckets >= 1 and ranks["callable"]["user_calls"] == _STEPS * buckets
+        expected = {
+            "default": ([buckets] * _STEPS, [4 * numel] * _STEPS),
+            "callable": ([buckets] * _STEPS, [4 * numel] * _STEPS),
+            "fp16": ([buckets] * _STEPS, [2 * numel] * _STEPS),
+            "bf16": ([buckets] * _STEPS, [2 * numel] * _STEPS),
+            "powersgd": (
+                [buckets] * 2 + [3 * buckets] * (_STEPS - 2),  # then uncompressed tensors, P and Q
+                [4 * numel] * 2 + [4 * _powersgd_numel(model)] * (_STEPS - 2),
+            ),
+        }
+        for hook, (calls, nbytes) in expected.items():
+            assert _per_step(ranks[hook]["calls"]) == calls, hook
+            assert _per_step(ranks[hook]["bytes"]) == nbytes, hook
+            elapsed, elapsed_again = ranks[hook]["elapsed"]
+            assert elapsed > 0.0 and elapsed_again == 0.0
+
+
+def test_backend_is_chosen_from_the_accelerator(hook_runs):
+    assert [ranks["backend"] for ranks in hook_runs] == [("gloo", "gloo")] * 2
+
+
+def test_ddp_defaults_reach_the_wrapped_module(hook_runs):
+    assert hook_runs[0]["default"]["ddp"] == {
+        "gradient_as_bucket_view": True,
+        "static_graph": False,
+        "find_unused_parameters": False,
+        "bucket_bytes_cap": 25 * 1024 * 1024,  # torch's default bucket_cap_mb
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Refusals at setup (real processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _setup_error(rank: int, world_size: int, strategy: AccelDDP, **trainer_kwargs: Any) -> str:
+    kwargs = small_trainer_kwargs(devices=world_size, max_steps=1, use_distributed_sampler=False)
+    kwargs.update(trainer_kwargs)
+    try:
+        pl.Trainer(strategy=strategy, **kwargs).fit(BNModel(), make_loader(make_dataset(16), 4, rank, world_size))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def _setup_errors(rank: int, world_size: int) -> dict[str, str]:
+    return {
+        "nccl_on_cpu": _setup_error(rank, world_size, AccelDDP(process_group_backend="nccl")),
+        "group_size": _setup_error(rank, world_size, AccelDDP(sync_bn_group_size=3)),
+        "contradiction": _setup_error(rank, world_size, AccelDDP(sync_batchnorm=False), sync_batchnorm=True),
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "patterns"),
+    [
+        ("nccl_on_cpu", [r"process_group_backend='nccl'\) needs CUDA", "Fix: drop process_group_backend"]),
+        ("group_size", [r"sync_bn_group_size=3\) must divide the world size 2", r"Allowed: \[1, 2\]", "Fix"]),
+        ("contradiction", [r"sync_batchnorm=False\) contradicts Trainer\(sync_batchnorm=True\)", "Fix"]),
+    ],
+)
+def test_world_dependent_errors_raise_at_setup(setup_errors, case, patterns):
+    import re
+
+    for ranks in setup_errors:
+        for pattern in patterns:
+            assert re.search(pattern, ranks[case]), (pattern, ranks[case])
+
+
+@pytest.fixture(scope="module")
+def setup_errors() -> list[dict[str, str]]:
+    return run_distributed(_setup_errors, 2, init_process_group=False, timeout=120)
+
+
+@pytest.mark.slow
+def test_accel_ddp_spawn_launches_two_processes_and_reverts_batchnorm():
+    """Lightning's own launcher with the registered name (spawn re-imports everything: ~15 s on 2 cores)."""
+    model = _bn_model()
+    before = params_of(model)
+    trainer = pl.Trainer(**small_trainer_kwargs(devices=2, strategy="accel_ddp_spawn", max_steps=2))
+    trainer.fit(model, make_loader(make_dataset(32), 4))
+    assert isinstance(trainer.strategy, AccelDDP) and trainer.world_size == 2
+    assert type(model.net[1]) is _UserBatchNorm
+    assert not torch.equal(params_of(model)["net.0.weight"], before["net.0.weight"])

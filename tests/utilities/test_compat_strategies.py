@@ -1,0 +1,28 @@
+"""The private Lightning attributes AccelDDP relies on, through ``lit_accel.utilities._compat``."""
+
+import inspect
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins import TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy
+
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
+from lit_accel.utilities._compat import get_layer_sync, set_layer_sync
+
+
+def test_layer_sync_accessors_read_what_the_trainer_assigned_and_replace_it():
+    strategy = DDPStrategy()
+    assert get_layer_sync(strategy) is None
+    pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True, logger=False)
+    assert isinstance(get_layer_sync(strategy), TorchSyncBatchNorm)  # the Trainer overwrote it after __init__
+    ours = AccelSyncBatchNorm()
+    set_layer_sync(strategy, ours)
+    assert get_layer_sync(strategy) is ours
+    set_layer_sync(strategy, None)
+    assert get_layer_sync(strategy) is None
+
+
+def test_ddp_strategy_still_applies_and_reverts_the_attribute_we_set():
+    # If Lightning renamed `_layer_sync`, setting it would silently do nothing: fail here instead.
+    assert "self._layer_sync.apply(self.model)" in inspect.getsource(DDPStrategy.setup)
+    assert "self._layer_sync.revert(self.model)" in inspect.getsource(DDPStrategy.teardown)
