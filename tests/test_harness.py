@@ -5,8 +5,14 @@ import torch
 import torch.distributed as dist
 
 import lit_accel
-from tests.helpers import BNModel, DistributedTestError, make_dataset, make_loader, run_distributed
-from tests.helpers import small_trainer_kwargs
+from tests.helpers import (
+    BNModel,
+    DistributedTestError,
+    make_dataset,
+    make_loader,
+    run_distributed,
+    small_trainer_kwargs,
+)
 
 
 def _all_reduce_sum(rank: int, world_size: int) -> float:

@@ -12,6 +12,7 @@ which case ``fn`` must be importable (defined at module level).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -73,7 +74,7 @@ def _worker(
         payload = pickle.dumps(("ok", result))
         if init_process_group and dist.is_initialized():
             dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException as exc:  # every failure, KeyboardInterrupt included, must reach the parent
         status = 1
         payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     try:
@@ -170,10 +171,8 @@ def run_distributed(
     finally:
         for proc in procs:
             if proc.is_alive():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             proc.join(timeout=10)
         for conn in conns:
             conn.close()
