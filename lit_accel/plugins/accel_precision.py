@@ -154,10 +154,16 @@ class AccelPrecision(Precision):
         min_scale_check_interval: int = 100,
     ) -> None:
         name = type(self).__name__
-        _check_choice(name, "precision", precision, _PRECISIONS)
-        _check_choice(name, "device", device, (None, "cpu", "cuda"))
-        _check_choice(name, "on_min_scale", on_min_scale, ("raise", "warn"))
-        _check_choice(name, "on_nonfinite", on_nonfinite, ("raise", "skip"))
+        _check_choice(
+            name,
+            "precision",
+            precision,
+            _PRECISIONS,
+            "'bf16-mixed' where the hardware supports bf16 (NVIDIA Ampere or newer), else '16-mixed'",
+        )
+        _check_choice(name, "device", device, (None, "cpu", "cuda"), "None, to follow the Trainer's device")
+        _check_choice(name, "on_min_scale", on_min_scale, ("raise", "warn"), "'raise' (the default)")
+        _check_choice(name, "on_nonfinite", on_nonfinite, ("raise", "skip"), "'raise' (the default)")
         if not isinstance(dynamic, bool):
             raise TypeError(f"{name}(dynamic={dynamic!r}): expected True or False.")
         validate_scaler_args(
@@ -516,9 +522,11 @@ class AccelPrecision(Precision):
 # ---------------------------------------------------------------------- helpers
 
 
-def _check_choice(owner: str, arg: str, value: Any, allowed: tuple[Any, ...]) -> None:
+def _check_choice(owner: str, arg: str, value: Any, allowed: tuple[Any, ...], usual: str) -> None:
     if value not in allowed:
-        raise ValueError(f"{owner}({arg}={value!r}): expected one of {', '.join(map(repr, allowed))}.")
+        raise ValueError(
+            f"{owner}({arg}={value!r}): expected one of {', '.join(map(repr, allowed))}. Fix: pass {arg}={usual}."
+        )
 
 
 def _legacy_clip_message(owner: str, optimizer: str, clip_val: float) -> str:

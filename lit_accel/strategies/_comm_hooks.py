@@ -173,7 +173,12 @@ def validate_comm_hook(
 ) -> None:
     """Check AccelDDP's comm-hook arguments at construction; raise naming the value, what is allowed and the fix."""
     if isinstance(comm_hook, str):
-        _require_choice("comm_hook", comm_hook, COMM_HOOK_NAMES)
+        if comm_hook not in COMM_HOOK_NAMES:
+            raise ValueError(
+                f"AccelDDP(comm_hook={comm_hook!r}): expected one of {', '.join(map(repr, COMM_HOOK_NAMES))}, a"
+                " callable hook(state, bucket) -> Future[Tensor], or None (the plain all-reduce mean). Fix: pass e.g."
+                " comm_hook='bf16' to compress gradients to 16 bits, or drop comm_hook."
+            )
     elif comm_hook is not None:
         if not callable(comm_hook):
             raise TypeError(

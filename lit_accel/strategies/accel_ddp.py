@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,7 +36,13 @@ from lit_accel.strategies._comm_hooks import (
     resolve_comm_hook,
     validate_comm_hook,
 )
-from lit_accel.utilities._compat import get_layer_sync, set_layer_sync
+from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
+from lit_accel.utilities._compat import (
+    get_layer_sync,
+    launched_child_processes,
+    resume_restored_finished_epoch,
+    set_layer_sync,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -84,6 +90,10 @@ class AccelDDP(DDPStrategy):
     BatchNorm caveat: statistics are computed per micro-batch (per forward), never over the accumulated global
     batch. Accumulating 8 micro-batches of 32 is not the same as one batch of 256 for a BatchNorm model; SyncBN
     widens each forward across devices only. Keep the micro-batch large enough for stable statistics.
+
+    Reliability (``docs/reliability.md``): with ``max_steps`` set, resuming from a checkpoint taken after an epoch's
+    last batch continues exactly (Lightning 2.6 alone trains one spurious batch first); and when a rank raises or is
+    killed, the other ranks' transport error ("Connection closed by peer") is extended to say which rank ended and how.
 
     Args:
         global_batch_size: samples per optimizer step over all devices; sets ``trainer.accumulate_grad_batches``.
@@ -383,6 +393,16 @@ class AccelDDP(DDPStrategy):
         self.model.register_comm_hook(state, counting_comm_hook(hook, kind, self.comm_stats))
 
     @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # Lightning restores the loops right before the optimizers (CheckpointConnector.restore_training_state), and
+        # this is the first strategy hook after that. With max_steps set, a checkpoint taken after an epoch's last
+        # batch would otherwise resume with one spurious batch (index num_batches, data of batch 0); see the helper.
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            resume_restored_finished_epoch(trainer)
+
+    @override
     def on_train_start(self) -> None:
         trainer = self._attached_trainer
         assert trainer is not None
@@ -466,6 +486,16 @@ class AccelDDP(DDPStrategy):
             return output
 
         return corrected_closure
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # A rank that raised or was killed surfaces on the others as a transport error naming an address; say which
+        # rank ended and how (rank 0 of a popen launch knows its children's exit codes and signals).
+        if self.world_size > 1 and is_peer_loss(exception):
+            first_rank = self.node_rank * self.num_processes
+            children = [(first_rank + local, proc) for local, proc in launched_child_processes(self)]
+            explain_peer_failure(exception, self.world_size, children)
 
     @override
     def teardown(self) -> None:

@@ -127,3 +127,50 @@ def optimizer_takes_grad_scaler(optimizer: object) -> bool:
 def train_batch_idx(trainer: object) -> int:
     """The index of the current training batch within its epoch (``fit_loop.epoch_loop.batch_idx``)."""
     return trainer.fit_loop.epoch_loop.batch_idx  # type: ignore[attr-defined]
+
+
+# --- Resume at an epoch boundary (tests: tests/utilities/test_compat_reliability.py) ---
+
+
+def resume_restored_finished_epoch(trainer: object) -> bool:
+    """After ``fit_loop.load_state_dict``: if the checkpoint was taken after an epoch's last batch, start the next one.
+
+    Lightning 2.6 keeps the fit loop "restarting" after any load when ``max_steps`` is set (``FitLoop.restarting``'s
+    setter ORs in ``_iteration_based_training()``). Restored from a checkpoint taken once the epoch's last batch had
+    completed (``ModelCheckpoint`` at ``on_train_epoch_end``, or ``trainer.save_checkpoint`` after ``fit`` stopped at
+    ``max_steps`` on an epoch's last batch), the restarting epoch loop is not ``done`` (``_is_validation_done`` is
+    False while restarting without validation) and trains one spurious batch: index ``num_batches`` with the data
+    of batch 0 (and, in the second case, that is all of the next epoch). With ``max_epochs`` only, Lightning takes
+    its non-restarting path (``RESUMED_ON_EPOCH_END``), which is exact; this clears the flag so that
+    ``max_steps`` runs take the same path. Related upstream: Lightning issue #19815.
+
+    Returns:
+        True when the flag was cleared. A state that is not a finished epoch (mid-epoch, mid-validation, saved at
+        ``on_train_batch_end``) is left to Lightning.
+    """
+    from lightning.pytorch.loops.loop import _Loop
+
+    fit_loop = trainer.fit_loop  # type: ignore[attr-defined]
+    if not fit_loop.restarting:
+        return False
+    epoch = fit_loop.epoch_progress.current
+    batches = fit_loop.epoch_loop.batch_progress
+    batch = batches.current
+    epoch_finished = epoch.ready == epoch.started == epoch.processed  # processed: all batches ran, end hooks may not
+    last_batch_done = batches.is_last_batch and batch.ready == batch.started == batch.processed == batch.completed
+    if not (epoch_finished and last_batch_done):
+        return False
+    # The base setter, not FitLoop's: it clears this loop and its children (epoch loop, validation loop) as loading
+    # with max_epochs does; _loaded_from_state_dict stays set, so FitLoop.reset() still completes a saved epoch.
+    _Loop.restarting.fset(fit_loop, False)
+    return True
+
+
+def launched_child_processes(strategy: object) -> list[tuple[int, Any]]:
+    """``(local rank, Popen)`` of the ranks this process started with Lightning's subprocess launcher.
+
+    ``_SubprocessScriptLauncher.procs`` holds the ``Popen`` of local ranks 1..N-1 in order; it is empty on other ranks
+    and when the processes were started externally (torchrun, SLURM), and absent for other launchers.
+    """
+    procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+    return [(index + 1, proc) for index, proc in enumerate(procs)]
