@@ -280,7 +280,7 @@ CONSTRUCTION_ROWS: dict[str, tuple[Callable[[], Any], Row]] = {
     ),
     "efficiency_monitor-negative_warmup": (
         lambda: EfficiencyMonitor(warmup_steps=-1),
-        Row(ValueError, r"warmup_steps=-1\)", r"must be >= 0", r"Pass warmup_steps=0"),
+        Row(ValueError, r"warmup_steps=-1\)", r"expected an int >= 0", r"Fix: pass e\.g\. warmup_steps="),
     ),
     "accel_sync_batchnorm-non_positive_group_size": (
         lambda: AccelSyncBatchNorm(group_size=0),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing_extensions import override
 from lit_accel.callbacks._flops import FlopCounter
 from lit_accel.utilities._peak_flops import lookup_peak_flops, matmul_precision
 from lit_accel.utilities._timing import IntervalTimer, synchronize
+from lit_accel.utilities._validation import check_int, check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -145,23 +145,13 @@ class EfficiencyMonitor(Callback):
         log_key_prefix: str = "perf/",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
-            raise TypeError(
-                f"EfficiencyMonitor(warmup_steps={warmup_steps!r}): expected an int >= 0, the number of optimizer"
-                " steps to leave out of the averages. Pass e.g. warmup_steps=3."
-            )
-        if warmup_steps < 0:
-            raise ValueError(
-                f"EfficiencyMonitor(warmup_steps={warmup_steps}): must be >= 0. Pass warmup_steps=0 to measure from"
-                " the first step."
-            )
+        check_int("EfficiencyMonitor", "warmup_steps", warmup_steps, minimum=0, example=3)
         for name, value, fix in (
             ("flops_per_sample", flops_per_sample, "omit it to count FLOPs automatically"),
             ("peak_flops", peak_flops, "omit it to use the datasheet table, e.g. 989.5e12 for an H100 SXM at bf16"),
             ("baseline_samples_per_sec", baseline_samples_per_sec, "pass the samples/s of a one-device run"),
         ):
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"EfficiencyMonitor({name}={value!r}): must be a finite number > 0 or None; {fix}.")
+            check_number("EfficiencyMonitor", name, value, allow_none=True, fix=fix)
         for name, fn in (("batch_size_fn", batch_size_fn), ("items_fn", items_fn), ("clock", clock)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"EfficiencyMonitor({name}={fn!r}): expected a callable or None.")

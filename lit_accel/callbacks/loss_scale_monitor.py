@@ -18,6 +18,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_accel.utilities._compat import grad_scaler_grads_unscaled, grad_scaler_scale
+from lit_accel.utilities._validation import check_bool, check_int, is_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -220,21 +221,20 @@ class LossScaleMonitor(Callback):
         min_scale_threshold: float | None = 1.0,
     ) -> None:
         name = type(self).__name__
-        _check_int(name, "logging_interval", logging_interval, 1, allow_none=True)
-        _check_int(name, "skip_rate_window", skip_rate_window, 1)
-        _check_int(name, "warmup_steps", warmup_steps, 0)
+        check_int(name, "logging_interval", logging_interval, allow_none=True, example=50)
+        check_int(name, "skip_rate_window", skip_rate_window, example=100)
+        check_int(name, "warmup_steps", warmup_steps, minimum=0, example=100)
         if not isinstance(log_key_prefix, str):
             raise TypeError(f"{name}(log_key_prefix={log_key_prefix!r}): expected a str such as 'amp/'.")
-        for arg, value in (("track_underflow", track_underflow), ("find_nonfinite", find_nonfinite)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}({arg}={value!r}): expected True or False.")
-        if skip_rate_threshold is not None and not (_is_number(skip_rate_threshold) and 0 < skip_rate_threshold <= 1):
+        check_bool(name, "track_underflow", track_underflow)
+        check_bool(name, "find_nonfinite", find_nonfinite)
+        if skip_rate_threshold is not None and not (is_number(skip_rate_threshold) and 0 < skip_rate_threshold <= 1):
             raise ValueError(
                 f"{name}(skip_rate_threshold={skip_rate_threshold!r}): expected a fraction in (0, 1] such as 0.05"
                 " (warn when more than 5% of steps are skipped), or None to disable the warning."
             )
         if min_scale_threshold is not None and not (
-            _is_number(min_scale_threshold) and 0 < min_scale_threshold < math.inf
+            is_number(min_scale_threshold) and 0 < min_scale_threshold < math.inf
         ):
             raise ValueError(
                 f"{name}(min_scale_threshold={min_scale_threshold!r}): expected a positive finite loss scale such as"
@@ -530,16 +530,3 @@ def _select_source(precision: Any) -> tuple[_StatsSource | _TorchScalerSource | 
         f"precision {label!r} ({type(precision).__name__}) uses no loss scaler. Only fp16 mixed precision"
         " ('16-mixed' with a GradScaler) scales the loss; bf16 has fp32's exponent range and needs none.",
     )
-
-
-def _check_int(cls: str, arg: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{cls}({arg}={value!r}): expected an int{' or None' if allow_none else ''}.")
-    if value < minimum:
-        raise ValueError(f"{cls}({arg}={value!r}): expected an int >= {minimum}; pass e.g. {arg}={max(minimum, 50)}.")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lit_accel.plugins._grad_scaler import DynamicGradScaler, ScalerStats, validate_scaler_args
 from lit_accel.utilities import _compat
+from lit_accel.utilities._validation import check_bool, check_choice, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -154,27 +155,21 @@ class AccelPrecision(Precision):
         min_scale_check_interval: int = 100,
     ) -> None:
         name = type(self).__name__
-        _check_choice(
+        check_choice(
             name,
             "precision",
             precision,
             _PRECISIONS,
             "'bf16-mixed' where the hardware supports bf16 (NVIDIA Ampere or newer), else '16-mixed'",
         )
-        _check_choice(name, "device", device, (None, "cpu", "cuda"), "None, to follow the Trainer's device")
-        _check_choice(name, "on_min_scale", on_min_scale, ("raise", "warn"), "'raise' (the default)")
-        _check_choice(name, "on_nonfinite", on_nonfinite, ("raise", "skip"), "'raise' (the default)")
-        if not isinstance(dynamic, bool):
-            raise TypeError(f"{name}(dynamic={dynamic!r}): expected True or False.")
+        check_choice(name, "device", device, (None, "cpu", "cuda"), "None, to follow the Trainer's device")
+        check_choice(name, "on_min_scale", on_min_scale, ("raise", "warn"), "'raise' (the default)")
+        check_choice(name, "on_nonfinite", on_nonfinite, ("raise", "skip"), "'raise' (the default)")
+        check_bool(name, "dynamic", dynamic)
         validate_scaler_args(
             name, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
         )
-        if isinstance(min_scale_check_interval, bool) or not isinstance(min_scale_check_interval, int):
-            raise TypeError(f"{name}(min_scale_check_interval={min_scale_check_interval!r}): expected an int.")
-        if min_scale_check_interval < 1:
-            raise ValueError(
-                f"{name}(min_scale_check_interval={min_scale_check_interval!r}): expected an int >= 1, such as 100."
-            )
+        check_int(name, "min_scale_check_interval", min_scale_check_interval, example=100)
         self.precision = precision  # type: ignore[assignment]
         self.on_min_scale = on_min_scale
         self.on_nonfinite = on_nonfinite
@@ -520,13 +515,6 @@ class AccelPrecision(Precision):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _check_choice(owner: str, arg: str, value: Any, allowed: tuple[Any, ...], usual: str) -> None:
-    if value not in allowed:
-        raise ValueError(
-            f"{owner}({arg}={value!r}): expected one of {', '.join(map(repr, allowed))}. Fix: pass {arg}={usual}."
-        )
 
 
 def _legacy_clip_message(owner: str, optimizer: str, clip_val: float) -> str:

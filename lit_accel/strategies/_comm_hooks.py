@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
+from lit_accel.utilities._validation import check_int
+
 __all__ = [
     "COMM_HOOK_NAMES",
     "CommHookName",
@@ -156,18 +158,6 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"AccelDDP({name}={value!r}): expected one of {', '.join(map(repr, choices))}.")
-
-
-def _require_positive_int(name: str, value: object, minimum: int = 1) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise ValueError(
-            f"AccelDDP({name}={value!r}): expected an int >= {minimum} or None. Fix: pass e.g. {name}={minimum}."
-        )
-
-
 def validate_comm_hook(
     comm_hook: object, comm_state: object, powersgd_rank: int | None, powersgd_start_iter: int | None
 ) -> None:
@@ -208,10 +198,10 @@ def validate_comm_hook(
                     "AccelDDP(comm_hook='powersgd'): pass either comm_state=PowerSGDState(...) or powersgd_rank/"
                     "powersgd_start_iter, not both. Fix: set the rank and start iteration in your PowerSGDState."
                 )
-        _require_positive_int("powersgd_rank", powersgd_rank)
+        check_int("AccelDDP", "powersgd_rank", powersgd_rank, allow_none=True)
         # PowerSGD's error feedback and warm start need two plain all-reduce steps first (DDP rebuilds its
         # buckets after the first iteration; torch raises for start_powerSGD_iter <= 1).
-        _require_positive_int("powersgd_start_iter", powersgd_start_iter, minimum=2)
+        check_int("AccelDDP", "powersgd_start_iter", powersgd_start_iter, minimum=2, allow_none=True, example=1000)
     elif comm_state is not None and not callable(comm_hook):
         raise ValueError(
             f"AccelDDP(comm_state={comm_state!r}) is only used with comm_hook='powersgd' or a callable hook, got"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,8 +29,6 @@ from lit_accel.strategies._comm_hooks import (
     CommHook,
     CommHookName,
     CommStats,
-    _require_choice,
-    _require_positive_int,
     counting_comm_hook,
     resolve_comm_hook,
     validate_comm_hook,
@@ -43,6 +40,7 @@ from lit_accel.utilities._compat import (
     resume_restored_finished_epoch,
     set_layer_sync,
 )
+from lit_accel.utilities._validation import check_bool, check_choice, check_int, check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -62,11 +60,6 @@ _START_METHODS = {
     "accel_ddp_fork": "fork",
     "accel_ddp_notebook": "fork",
 }
-
-
-def _require_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"AccelDDP({name}={value!r}): expected True or False. Fix: pass {name}=True or {name}=False.")
 
 
 class AccelDDP(DDPStrategy):
@@ -179,35 +172,34 @@ class AccelDDP(DDPStrategy):
         precision_plugin: Precision | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        _require_positive_int("global_batch_size", global_batch_size)
-        _require_positive_int("micro_batch_size", micro_batch_size)
+        check_int("AccelDDP", "global_batch_size", global_batch_size, allow_none=True, example=1024)
+        check_int("AccelDDP", "micro_batch_size", micro_batch_size, allow_none=True, example=32)
         if micro_batch_size is not None and global_batch_size is None:
             raise ValueError(
                 f"AccelDDP(micro_batch_size={micro_batch_size}) only serves global_batch_size, which is None. Fix:"
                 " pass global_batch_size=..., or drop micro_batch_size (the dataloader's batch size is used)."
             )
-        _require_choice("partial_window", partial_window, ("mean", "lightning"))
+        check_choice("AccelDDP", "partial_window", partial_window, ("mean", "lightning"), "'mean' (the default)")
         for name, flag in (
             ("sync_batchnorm", sync_batchnorm),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
             ("static_graph", static_graph),
             ("find_unused_parameters", find_unused_parameters),
         ):
-            _require_bool(name, flag)
-        _require_positive_int("sync_bn_group_size", sync_bn_group_size)
-        _require_choice("sync_bn_implementation", sync_bn_implementation, ("auto", "portable", "torch"))
-        _require_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
+            check_bool("AccelDDP", name, flag)
+        check_int("AccelDDP", "sync_bn_group_size", sync_bn_group_size, allow_none=True, example=8)
+        check_choice(
+            "AccelDDP", "sync_bn_implementation", sync_bn_implementation, ("auto", "portable", "torch"), "'auto'"
+        )
+        check_choice("AccelDDP", "start_method", start_method, ("popen", "spawn", "fork", "forkserver"), "'popen'")
         validate_comm_hook(comm_hook, comm_state, powersgd_rank, powersgd_start_iter)
-        if bucket_cap_mb is not None and (
-            isinstance(bucket_cap_mb, bool)
-            or not isinstance(bucket_cap_mb, (int, float))
-            or not math.isfinite(bucket_cap_mb)
-            or bucket_cap_mb <= 0
-        ):
-            raise ValueError(
-                f"AccelDDP(bucket_cap_mb={bucket_cap_mb!r}): expected a positive, finite number of MiB or None (torch's"
-                " default, 25). Fix: pass e.g. bucket_cap_mb=25."
-            )
+        check_number(
+            "AccelDDP",
+            "bucket_cap_mb",
+            bucket_cap_mb,
+            allow_none=True,
+            fix="pass MiB, e.g. bucket_cap_mb=25 (torch's default)",
+        )
         if process_group_backend is not None and process_group_backend not in dist.Backend.backend_list:
             raise ValueError(
                 f"AccelDDP(process_group_backend={process_group_backend!r}): expected None (nccl on CUDA, gloo on"

@@ -347,8 +347,8 @@ def test_state_key_depends_on_the_prefix():
     ("kwargs", "error", "match"),
     [
         ({"logging_interval": 0}, ValueError, r"LossScaleMonitor\(logging_interval=0\): expected an int >= 1"),
-        ({"logging_interval": -5}, ValueError, r"logging_interval=-5\): expected an int >= 1; pass e.g."),
-        ({"logging_interval": 2.5}, TypeError, r"logging_interval=2.5\): expected an int or None"),
+        ({"logging_interval": -5}, ValueError, r"logging_interval=-5\): expected an int >= 1 or None\. Fix: pass e.g."),
+        ({"logging_interval": 2.5}, TypeError, r"logging_interval=2.5\): expected an int >= 1 or None"),
         ({"logging_interval": True}, TypeError, r"logging_interval=True\): expected an int"),
         ({"skip_rate_threshold": 0.0}, ValueError, r"skip_rate_threshold=0.0\): expected a fraction in \(0, 1\]"),
         ({"skip_rate_threshold": 1.5}, ValueError, r"skip_rate_threshold=1.5\).*or None to disable"),
