@@ -299,7 +299,7 @@ def test_per_step_hooks_do_no_tensor_work_outside_logging_steps():
         ({"warmup_steps": -1}, ValueError, r"warmup_steps=-1\): expected an int >= 0\. Fix"),
         ({"warmup_steps": 1.5}, TypeError, r"warmup_steps=1.5\): expected an int"),
         ({"warmup_steps": True}, TypeError, r"warmup_steps=True\)"),
-        ({"peak_flops": 0}, ValueError, r"peak_flops=0\): expected a finite number > 0 or None\. Fix: .*datasheet table"),
+        ({"peak_flops": 0}, ValueError, r"peak_flops=0\): expected a finite number > 0 or None.*datasheet table"),
         ({"peak_flops": -3e12}, ValueError, r"peak_flops=-3000000000000.0\)"),
         ({"peak_flops": float("inf")}, ValueError, r"peak_flops=inf\)"),
         ({"flops_per_sample": 0.0}, ValueError, r"flops_per_sample=0.0\).*count FLOPs automatically"),
