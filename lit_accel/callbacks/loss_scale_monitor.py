@@ -8,8 +8,7 @@ even read the scale), so this callback reads it from the precision plugin withou
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks.callback import Callback
@@ -17,7 +16,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_accel.utilities._compat import grad_scaler_grads_unscaled, grad_scaler_scale
+from lit_accel.callbacks._scale_sources import StatsSource, TorchScalerSource, select_source
+from lit_accel.utilities._compat import grad_scaler_grads_unscaled
 from lit_accel.utilities._validation import check_bool, check_int, is_number
 
 if TYPE_CHECKING:
@@ -30,109 +30,6 @@ _FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 # fp16's smallest subnormal is 2**-24 (IEEE 754 binary16); round-to-nearest-even sends |x| <= 2**-25 to zero.
 _FP16_FLUSH = 2.0**-25
 _MAX_NAMES = 5
-
-
-class _Counters(NamedTuple):
-    """0-d device tensors: current scale and cumulative skipped steps, growths, back-offs."""
-
-    scale: Tensor
-    skipped: Tensor
-    growths: Tensor
-    backoffs: Tensor
-
-
-class _StatsSource:
-    """A scaler's own cumulative counters (``AccelPrecision.scaler_stats()``, ``DynamicGradScaler.stats()``).
-
-    They know about hysteresis: an overflow that the scaler tolerates is a skip without a back-off.
-    """
-
-    def __init__(self, stats: Callable[[], Any], scaler: torch.amp.GradScaler) -> None:
-        self.stats, self.scaler = stats, scaler
-
-    def start(self) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass  # the counters are cumulative: nothing to do per step
-
-    def scale(self) -> Tensor | None:
-        live = grad_scaler_scale(self.scaler)  # the live tensor: no copy per step
-        return live if live is not None else self.stats().scale
-
-    def counters(self) -> _Counters | None:
-        s = self.stats()
-        return _Counters(s.scale, s.skipped_steps, s.growths, s.backoffs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # restored with the scaler's own state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class _TorchScalerSource:
-    """Counters for a plain ``torch.amp.GradScaler`` (Lightning's ``MixedPrecision``), derived from its scale.
-
-    torch's update rule (``torch._amp_update_scale_``) multiplies the scale by ``backoff_factor < 1`` on every step
-    with inf/NaN gradients, which ``GradScaler.step`` skips, and by ``growth_factor > 1`` after ``growth_interval``
-    clean steps. So, compared across one optimizer step, a lower scale is one skipped step and one back-off and a
-    higher scale one growth: a few tensor ops per step, no host sync. (Exact while the scale is a positive finite
-    float32; a scale that has collapsed to 0 or grown to inf no longer moves.) A subclass with its own policy, such as
-    lit_accel's ``DynamicGradScaler`` with hysteresis, exposes ``stats()`` and is read by ``_StatsSource`` instead.
-    """
-
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-        self._initial: float | None = None  # scale before the first step while the scaler's tensor does not exist
-        self._prev: Tensor | None = None
-        self._counts: Tensor | None = None  # int64 [skipped (= back-offs), growths]
-        self._loaded_counts = [0, 0]
-
-    def start(self) -> None:
-        scale = grad_scaler_scale(self.scaler)
-        if self._prev is None and self._initial is None:
-            # No sync: while the scale tensor is not created yet (lazily, at the first scaler.scale()), get_scale()
-            # returns the initial scale, which Lightning has already restored from a checkpoint.
-            self._initial = self.scaler.get_scale() if scale is None else None
-            self._prev = None if scale is None else scale.detach().clone()
-
-    def after_step(self) -> None:
-        scale = grad_scaler_scale(self.scaler)
-        if scale is None:
-            return
-        if self._prev is None:
-            self._prev = torch.full((), self._initial or 0.0, dtype=scale.dtype, device=scale.device)
-        if self._counts is None:
-            self._counts = self._new_counts(scale.device)
-        self._counts += torch.stack((scale < self._prev, scale > self._prev))
-        self._prev.copy_(scale)
-
-    def scale(self) -> Tensor | None:
-        return grad_scaler_scale(self.scaler)
-
-    def counters(self) -> _Counters | None:
-        scale = grad_scaler_scale(self.scaler)
-        if scale is None:
-            return None
-        counts = self._counts if self._counts is not None else self._new_counts(scale.device)
-        return _Counters(scale, counts[0], counts[1], counts[0])
-
-    def _new_counts(self, device: torch.device) -> Tensor:
-        # zeros + fill_ are kernels; torch.tensor(list, device=cuda) would be a synchronous host-to-device copy.
-        counts = torch.zeros(2, dtype=torch.int64, device=device)
-        for i, value in enumerate(self._loaded_counts):
-            counts[i].fill_(value)
-        return counts
-
-    def state_dict(self) -> dict[str, Any]:
-        counts = self._counts.tolist() if self._counts is not None else list(self._loaded_counts)
-        prev = self._prev.item() if self._prev is not None else self._initial
-        return {"prev_scale": prev, "skipped": counts[0], "growths": counts[1]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._initial, self._prev, self._counts = state["prev_scale"], None, None
-        self._loaded_counts = [int(state["skipped"]), int(state["growths"])]
 
 
 class LossScaleMonitor(Callback):
@@ -251,7 +148,7 @@ class LossScaleMonitor(Callback):
         #: The values logged at the last logging step, on every rank (rank 0's loggers write them).
         self.last_metrics: dict[str, float] = {}
 
-        self._source: _StatsSource | _TorchScalerSource | None = None
+        self._source: StatsSource | TorchScalerSource | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._said_why = False
         self._names: dict[int, str] = {}
@@ -278,7 +175,7 @@ class LossScaleMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        source, scaler, why = _select_source(trainer.precision_plugin)
+        source, scaler, why = select_source(trainer.precision_plugin)
         if source is None:
             self._source = self._scaler = None
             if not self._said_why:
@@ -512,21 +409,3 @@ class LossScaleMonitor(Callback):
             f"LossScaleMonitor: optimizer step {trainer.global_step} is skipped: non-finite gradients in"
             f" {len(bad)} of {len(grads)} parameters: {', '.join(shown)}{more}."
         )
-
-
-def _select_source(precision: Any) -> tuple[_StatsSource | _TorchScalerSource | None, Any, str]:
-    """The counter source for a precision plugin, its GradScaler, and, when there is none, why."""
-    scaler = getattr(precision, "scaler", None)
-    if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
-        if callable(getattr(precision, "scaler_stats", None)):
-            return _StatsSource(precision.scaler_stats, scaler), scaler, ""
-        if callable(getattr(scaler, "stats", None)):  # a DynamicGradScaler inside another plugin
-            return _StatsSource(scaler.stats, scaler), scaler, ""
-        return _TorchScalerSource(scaler), scaler, ""
-    label = getattr(precision, "precision", type(precision).__name__)
-    return (
-        None,
-        None,
-        f"precision {label!r} ({type(precision).__name__}) uses no loss scaler. Only fp16 mixed precision"
-        " ('16-mixed' with a GradScaler) scales the loss; bf16 has fp32's exponent range and needs none.",
-    )

@@ -9,9 +9,6 @@ steps with non-finite gradients are never written into the weights.
 
 from __future__ import annotations
 
-import contextlib
-import copyreg
-import weakref
 from collections import deque
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -27,6 +24,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lit_accel.plugins._grad_scaler import DynamicGradScaler, ScalerStats, validate_scaler_args
+from lit_accel.plugins._skip_aware_scheduler import make_skip_aware
 from lit_accel.utilities import _compat
 from lit_accel.utilities._validation import check_bool, check_choice, check_int
 
@@ -318,7 +316,7 @@ class AccelPrecision(Precision):
         for config in lr_schedulers:
             if config.interval == "step":
                 opt = getattr(config.scheduler, "optimizer", None)
-                if _make_skip_aware(config.scheduler, self):
+                if make_skip_aware(config.scheduler, self):
                     self._scheduled.add(id(_unwrap(opt)) if opt is not None else None)
         return model, optimizers, lr_schedulers
 
@@ -547,70 +545,3 @@ def _find_lightning_module(model: nn.Module) -> pl.LightningModule | None:
         inner = getattr(current, "module", None)
         current = inner if inner is not None else getattr(current, "_forward_module", None)
     return None
-
-
-# ---------------------------------------------------------------------- skip-aware schedulers
-
-# scheduler -> function answering "was the last step of your optimizer skipped?". Weak keys: no leak, and nothing is
-# stored on the scheduler itself, whose state_dict() is its whole __dict__.
-_SKIP_SOURCES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
-_SKIP_AWARE_CLASSES: dict[type, type] = {}
-
-
-def _make_skip_aware(scheduler: Any, plugin: AccelPrecision) -> bool:
-    """Point the scheduler's ``step()`` at ``plugin``'s skip record; False (with a warning) if that is impossible."""
-    plugin_ref = weakref.ref(plugin)
-    optimizer = getattr(scheduler, "optimizer", None)
-
-    def should_skip() -> bool:
-        owner = plugin_ref()
-        return owner is not None and owner._should_skip_scheduler(optimizer)
-
-    cls = type(scheduler)
-    try:
-        _SKIP_SOURCES[scheduler] = should_skip
-        if not getattr(cls, "_lit_accel_skip_aware", False):
-            scheduler.__class__ = _skip_aware_class(cls)
-    except TypeError:  # not weak-referenceable, or an instance layout that cannot be subclassed (__slots__)
-        with contextlib.suppress(TypeError):
-            _SKIP_SOURCES.pop(scheduler, None)
-        rank_zero_warn(
-            f"AccelPrecision: cannot make the {cls.__name__} scheduler skip-aware; it will also step on skipped"
-            " optimizer steps."
-        )
-        return False
-    return True
-
-
-def _new_instance(cls: type, *args: Any) -> Any:
-    """``copyreg.__newobj__`` without its class check: unpickles a skip-aware scheduler as its original class."""
-    return cls.__new__(cls, *args)
-
-
-def _skip_aware_class(cls: type) -> type:
-    cached = _SKIP_AWARE_CLASSES.get(cls)
-    if cached is not None:
-        return cached
-
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        should_skip = _SKIP_SOURCES.get(self)
-        if should_skip is not None and should_skip():
-            return None  # the optimizer did not step: neither does the schedule (Lightning #5558, #18828)
-        return cls.step(self, *args, **kwargs)
-
-    def __reduce_ex__(self: Any, protocol: Any) -> Any:
-        # Pickle (and deepcopy) as the original class: skip-awareness is run-time wiring, not state.
-        reduced = cls.__reduce_ex__(self, protocol)
-        if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1] and reduced[1][0] is new_cls:
-            # copyreg.__newobj__ insists on the object's own class; an equivalent module-level function does not.
-            func = _new_instance if reduced[0] is copyreg.__newobj__ else reduced[0]
-            reduced = (func, (cls, *reduced[1][1:]), *reduced[2:])
-        return reduced
-
-    new_cls = type(
-        f"SkipAware{cls.__name__}",
-        (cls,),
-        {"step": step, "__reduce_ex__": __reduce_ex__, "_lit_accel_skip_aware": True, "__module__": __name__},
-    )
-    _SKIP_AWARE_CLASSES[cls] = new_cls
-    return new_cls

@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lit_accel import AccelPrecision, LossScaleMonitor
+from lit_accel.callbacks import _scale_sources as scale_sources
 from lit_accel.callbacks import loss_scale_monitor as lsm
 from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
 
@@ -442,15 +443,17 @@ def test_accel_precision_logs_the_same_keys_and_values_as_mixed_precision(tmp_pa
 def test_source_selection():
     from lit_accel.plugins._grad_scaler import DynamicGradScaler
 
-    assert lsm._select_source(Precision())[0] is None  # fp32
+    assert scale_sources.select_source(Precision())[0] is None  # fp32
     disabled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))
-    assert lsm._select_source(disabled)[0] is None
-    assert isinstance(lsm._select_source(_fp16_plugin())[0], lsm._TorchScalerSource)
-    assert isinstance(lsm._select_source(_plugin("accel"))[0], lsm._StatsSource)
-    assert lsm._select_source(AccelPrecision("bf16-mixed", "cpu"))[0] is None  # its non-finite guard is no scaler
+    assert scale_sources.select_source(disabled)[0] is None
+    assert isinstance(scale_sources.select_source(_fp16_plugin())[0], scale_sources.TorchScalerSource)
+    assert isinstance(scale_sources.select_source(_plugin("accel"))[0], scale_sources.StatsSource)
+    assert (
+        scale_sources.select_source(AccelPrecision("bf16-mixed", "cpu"))[0] is None
+    )  # its non-finite guard is no scaler
     # lit_accel's scaler inside Lightning's plugin: its own counters (hysteresis) beat the scale comparison
     dynamic = MixedPrecision("16-mixed", "cpu", scaler=DynamicGradScaler("cpu", hysteresis=2))
-    assert isinstance(lsm._select_source(dynamic)[0], lsm._StatsSource)
+    assert isinstance(scale_sources.select_source(dynamic)[0], scale_sources.StatsSource)
 
 
 class _CudaSyncCheckedMonitor(LossScaleMonitor):

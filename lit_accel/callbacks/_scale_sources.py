@@ -1,0 +1,141 @@
+"""Where ``LossScaleMonitor`` gets its numbers: a scaler's own counters, or counters derived from a torch scaler.
+
+Both sources hand out 0-d device tensors and never read them on the host; the monitor stacks them and reads them
+once, at logging steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from lit_accel.utilities._compat import grad_scaler_scale
+
+__all__ = ["ScaleSource", "select_source"]
+
+
+class Counters(NamedTuple):
+    """0-d device tensors: current scale and cumulative skipped steps, growths, back-offs."""
+
+    scale: Tensor
+    skipped: Tensor
+    growths: Tensor
+    backoffs: Tensor
+
+
+class StatsSource:
+    """A scaler's own cumulative counters (``AccelPrecision.scaler_stats()``, ``DynamicGradScaler.stats()``).
+
+    They know about hysteresis: an overflow that the scaler tolerates is a skip without a back-off.
+    """
+
+    def __init__(self, stats: Callable[[], Any], scaler: torch.amp.GradScaler) -> None:
+        self.stats, self.scaler = stats, scaler
+
+    def start(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass  # the counters are cumulative: nothing to do per step
+
+    def scale(self) -> Tensor | None:
+        live = grad_scaler_scale(self.scaler)  # the live tensor: no copy per step
+        return live if live is not None else self.stats().scale
+
+    def counters(self) -> Counters | None:
+        s = self.stats()
+        return Counters(s.scale, s.skipped_steps, s.growths, s.backoffs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # restored with the scaler's own state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class TorchScalerSource:
+    """Counters for a plain ``torch.amp.GradScaler`` (Lightning's ``MixedPrecision``), derived from its scale.
+
+    torch's update rule (``torch._amp_update_scale_``) multiplies the scale by ``backoff_factor < 1`` on every step
+    with inf/NaN gradients, which ``GradScaler.step`` skips, and by ``growth_factor > 1`` after ``growth_interval``
+    clean steps. So, compared across one optimizer step, a lower scale is one skipped step and one back-off and a
+    higher scale one growth: a few tensor ops per step, no host sync. (Exact while the scale is a positive finite
+    float32; a scale that has collapsed to 0 or grown to inf no longer moves.) A subclass with its own policy, such as
+    lit_accel's ``DynamicGradScaler`` with hysteresis, exposes ``stats()`` and is read by ``_StatsSource`` instead.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self._initial: float | None = None  # scale before the first step while the scaler's tensor does not exist
+        self._prev: Tensor | None = None
+        self._counts: Tensor | None = None  # int64 [skipped (= back-offs), growths]
+        self._loaded_counts = [0, 0]
+
+    def start(self) -> None:
+        scale = grad_scaler_scale(self.scaler)
+        if self._prev is None and self._initial is None:
+            # No sync: while the scale tensor is not created yet (lazily, at the first scaler.scale()), get_scale()
+            # returns the initial scale, which Lightning has already restored from a checkpoint.
+            self._initial = self.scaler.get_scale() if scale is None else None
+            self._prev = None if scale is None else scale.detach().clone()
+
+    def after_step(self) -> None:
+        scale = grad_scaler_scale(self.scaler)
+        if scale is None:
+            return
+        if self._prev is None:
+            self._prev = torch.full((), self._initial or 0.0, dtype=scale.dtype, device=scale.device)
+        if self._counts is None:
+            self._counts = self._new_counts(scale.device)
+        self._counts += torch.stack((scale < self._prev, scale > self._prev))
+        self._prev.copy_(scale)
+
+    def scale(self) -> Tensor | None:
+        return grad_scaler_scale(self.scaler)
+
+    def counters(self) -> Counters | None:
+        scale = grad_scaler_scale(self.scaler)
+        if scale is None:
+            return None
+        counts = self._counts if self._counts is not None else self._new_counts(scale.device)
+        return Counters(scale, counts[0], counts[1], counts[0])
+
+    def _new_counts(self, device: torch.device) -> Tensor:
+        # zeros + fill_ are kernels; torch.tensor(list, device=cuda) would be a synchronous host-to-device copy.
+        counts = torch.zeros(2, dtype=torch.int64, device=device)
+        for i, value in enumerate(self._loaded_counts):
+            counts[i].fill_(value)
+        return counts
+
+    def state_dict(self) -> dict[str, Any]:
+        counts = self._counts.tolist() if self._counts is not None else list(self._loaded_counts)
+        prev = self._prev.item() if self._prev is not None else self._initial
+        return {"prev_scale": prev, "skipped": counts[0], "growths": counts[1]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._initial, self._prev, self._counts = state["prev_scale"], None, None
+        self._loaded_counts = [int(state["skipped"]), int(state["growths"])]
+
+
+ScaleSource = "StatsSource | TorchScalerSource"
+
+
+def select_source(precision: Any) -> tuple[StatsSource | TorchScalerSource | None, Any, str]:
+    """The counter source for a precision plugin, its GradScaler, and, when there is none, why."""
+    scaler = getattr(precision, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+        if callable(getattr(precision, "scaler_stats", None)):
+            return StatsSource(precision.scaler_stats, scaler), scaler, ""
+        if callable(getattr(scaler, "stats", None)):  # a DynamicGradScaler inside another plugin
+            return StatsSource(scaler.stats, scaler), scaler, ""
+        return TorchScalerSource(scaler), scaler, ""
+    label = getattr(precision, "precision", type(precision).__name__)
+    return (
+        None,
+        None,
+        f"precision {label!r} ({type(precision).__name__}) uses no loss scaler. Only fp16 mixed precision"
+        " ('16-mixed' with a GradScaler) scales the loss; bf16 has fp32's exponent range and needs none.",
+    )
