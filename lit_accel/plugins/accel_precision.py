@@ -9,6 +9,7 @@ steps with non-finite gradients are never written into the weights.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from typing_extensions import override
 from lit_accel.plugins._grad_scaler import DynamicGradScaler, ScalerStats, validate_scaler_args
 from lit_accel.plugins._skip_aware_scheduler import make_skip_aware
 from lit_accel.utilities import _compat
+from lit_accel.utilities._lagged_flags import LaggedFlags
 from lit_accel.utilities._validation import check_bool, check_choice, check_int
 
 if TYPE_CHECKING:
@@ -87,7 +89,10 @@ class AccelPrecision(Precision):
     fp16, fused optimizer                        0         the kernel skips on the device; the min-scale counter
                                                            is read every ``min_scale_check_interval`` steps.
     guard, fused, ``on_nonfinite="skip"``        0         the kernel skips on the device.
-    guard, fused, ``on_nonfinite="raise"``       1         raising needs the found-inf flag on the host now.
+    guard, fused, ``on_nonfinite="raise"``       0         the kernel skips on the device; the flag is copied to
+                                                           pinned host memory without a sync and checked at a
+                                                           later step (or at the end of fit), so the error
+                                                           comes a step or two late but names the bad step.
     any fused + a step-interval LR scheduler     1         the scheduler must know whether the step was skipped.
     ===========================================  ========  ===================================================
 
@@ -194,6 +199,9 @@ class AccelPrecision(Precision):
         self._steps_since_check = 0
         self._scheduled: set[int | None] = set()  # ids of optimizers with step-interval schedulers (None: unknown)
         self._skipped_on_host: dict[int, bool] = {}
+        # Fused optimizers + guard + on_nonfinite="raise": the kernel already skipped the bad step on the device, so
+        # the flag is read a step or two later, when its copy has reached the host, instead of stalling every step.
+        self._lagged_nonfinite = LaggedFlags()
         self._without_backward = False
         if device == "cpu":
             # Only on CPU: CUDA tensors created before a fork-based launcher (ddp_fork, notebooks) starts its workers
@@ -350,6 +358,7 @@ class AccelPrecision(Precision):
         scaler = self._active_scaler
         if scaler is None or isinstance(optimizer, LBFGS):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        self._raise_lagged_nonfinite()
         closure_result = closure()
         # training_step returned None: there was no backward, so nothing to unscale or step (as Lightning).
         without_backward = closure_result is None and model.automatic_optimization
@@ -399,13 +408,15 @@ class AccelPrecision(Precision):
         is_guard = scaler is not self.scaler
         if isinstance(skipped, Tensor):  # fused optimizer: the flag is on the device
             needs_host = key in self._scheduled or None in self._scheduled
-            needs_host = needs_host or (is_guard and self.on_nonfinite == "raise")
+            if is_guard and self.on_nonfinite == "raise" and not needs_host:
+                self._lagged_nonfinite.push(skipped, tag=self._where(trainer))
+                return
             skipped = bool(skipped.item()) if needs_host else None  # the documented sync of these configurations
         if skipped is not None:
             self._skipped_on_host[key] = skipped
         if is_guard:
             if skipped and self.on_nonfinite == "raise":
-                raise RuntimeError(self._nonfinite_message(trainer))
+                raise RuntimeError(self._nonfinite_message(self._where(trainer)))
             return
         if skipped:
             self._check_min_scale(trainer)
@@ -461,9 +472,25 @@ class AccelPrecision(Precision):
             " extreme values. To keep going anyway, lower min_scale or pass on_min_scale='warn'."
         )
 
-    def _nonfinite_message(self, trainer: pl.Trainer) -> str:
+    def _raise_lagged_nonfinite(self, wait: bool = False) -> None:
+        where = self._lagged_nonfinite.first_set(wait=wait)
+        if where is not None:
+            self._lagged_nonfinite.clear()
+            raise RuntimeError(self._nonfinite_message(where))
+
+    @override
+    def teardown(self) -> None:
+        """Report a non-finite step of the last steps that had not reached the host yet (fused optimizers)."""
+        try:
+            if sys.exc_info()[0] is None:  # never mask an exception that is already ending the fit
+                self._raise_lagged_nonfinite(wait=True)
+        finally:
+            self._lagged_nonfinite.clear()
+            super().teardown()
+
+    def _nonfinite_message(self, where: str) -> str:
         return (
-            f"{type(self).__name__}({self.precision!r}): non-finite gradients (inf/NaN) at {self._where(trainer)}."
+            f"{type(self).__name__}({self.precision!r}): non-finite gradients (inf/NaN) at {where}."
             " The optimizer step was skipped, so the weights are still finite. Likely causes: a diverging loss"
             " (lower the learning rate, add warm-up or gradient clipping), bad input data (check this batch for"
             " inf/NaN), or a numerically unsafe operation (log, sqrt or division near 0). To skip such steps and"

@@ -281,7 +281,7 @@ def test_on_min_scale_warn_keeps_skipping_at_min_scale():
         ("16-mixed", "adamw_fused", {}, "step", 6),  # the scheduler needs to know about skips
         ("bf16-mixed", "adamw", {}, None, 6),
         ("bf16-mixed", "adamw_fused", dict(on_nonfinite="skip"), None, 0),
-        ("bf16-mixed", "adamw_fused", {}, None, 6),  # on_nonfinite="raise" must know now
+        ("bf16-mixed", "adamw_fused", {}, None, 0),  # on_nonfinite="raise": read later from a host copy
     ],
 )
 def test_host_reads_per_step_match_the_documented_table(monkeypatch, precision, optimizer, kwargs, scheduler, expected):
@@ -471,6 +471,17 @@ def test_nonfinite_gradients_raise_with_step_and_batch_by_default(precision, opt
         _fit(model, AccelPrecision(precision), steps=4, recorder=rec)
     assert "on_nonfinite='skip'" in str(info.value)
     assert _same(dict(model.named_parameters()), rec.rows[1]["params"])  # nothing written into the weights
+
+
+@pytest.mark.parametrize("bad_step", [2, 3])
+def test_fused_guard_reports_a_nonfinite_step_late_but_exactly(bad_step):
+    """Fused kernels skip on the device; the flag is read from a host copy later (at the next step, or at teardown
+    for the last step), so the error still names the right step and the weights stay those before it."""
+    rec = Recorder()
+    model = Model(bad_steps={bad_step}, optimizer="adamw_fused")
+    with pytest.raises(RuntimeError, match=re.escape(f"optimizer step {bad_step} (batch_idx {bad_step})")):
+        _fit(model, AccelPrecision("bf16-mixed"), steps=bad_step + 1, recorder=rec)
+    assert _same(dict(model.named_parameters()), rec.rows[bad_step - 1]["params"])
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
