@@ -1,0 +1,112 @@
+"""Smoke tests of the benchmark scripts: each runs from the command line, as README says, and writes its JSON.
+
+The benchmarks themselves are never collected (pytest's testpaths is ``tests/``); these tests run their tiny modes in a
+subprocess and check what the scripts compute that must hold whatever the machine's speed: the gpu_check dry run's
+verdicts, the all-reduce byte counts of the accumulation benchmark, the activation memory that autocast halves, the
+scaling baseline. Timing numbers are never asserted. The multi-process ones are marked ``slow`` (``pytest -m slow``)
+to keep the default run under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(script: str, tmp_path: Path, *args: str, timeout: float = 240) -> tuple[dict[str, Any], str]:
+    out = tmp_path / f"{Path(script).stem}.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == Path(script).stem
+    assert result["command"].startswith(f"python benchmarks/{script}")
+    assert out.with_suffix(".md").read_text().count("|") > 4  # the markdown table next to the JSON
+    return result, proc.stdout
+
+
+def test_gpu_check_dry_run_passes_and_prints_the_table_last(tmp_path):
+    result, stdout = _run("gpu_check.py", tmp_path, "--dry-run", "--peak-tflops", "1")
+    assert result["mode"] == "dry-run (CPU)"
+    verdicts = {row["check"]: row["result"] for row in result["rows"]}
+    assert result["passed"], verdicts
+    # Every check ran to its own rows (a crashing check collapses into one FAIL row named after it).
+    assert sum(name.startswith("fp16 loss scaling") for name in verdicts) == 2
+    assert verdicts["fp16 underflow rescued by scaling"] == "PASS"
+    assert [v for k, v in verdicts.items() if k.startswith("syncs/step")] == ["PASS"] * 4
+    assert verdicts["SyncBN portable == BatchNorm(joint batch)"] == "PASS"
+    assert verdicts["SyncBN 'auto' implementation"] == "PASS"
+    # Fused optimizers: nothing added; the positive control shows the counter sees the one documented host read.
+    syncs = result["details"]["syncs"]
+    assert syncs["16-mixed, fused AdamW"]["added_per_step"] == 0
+    assert syncs["bf16-mixed, fused AdamW, on_nonfinite='raise'"]["added_per_step"] == 0
+    assert syncs["bf16-mixed, AdamW (control), on_nonfinite='raise'"]["added_per_step"] == 1
+    # The MFU path ran (a peak was given), for the script's own count and the EfficiencyMonitor's.
+    vit = result["details"]["vit"]
+    for precision in ("32-true", "bf16-mixed", "16-mixed"):
+        assert vit[precision]["mfu"] > 0
+        assert vit[precision]["efficiency_monitor_mfu"] > 0
+    # The short table is the last thing printed.
+    assert stdout.rstrip().splitlines()[-1].startswith("└")
+
+
+def test_amp_tiny_writes_three_arms_and_autocast_halves_saved_activations(tmp_path):
+    result, stdout = _run("amp.py", tmp_path, "--tiny")
+    assert json.loads(stdout) == result  # the JSON is printed too
+    arms = result["arms"]
+    assert set(arms) == {"fp32", "bf16", "fp16"}
+    assert all(arm["images_per_s"]["median"] > 0 for arm in arms.values())
+    # Autocast saves 16-bit activations for the backward: well under fp32's (parameters' casts aside).
+    for arm in ("bf16", "fp16"):
+        assert arms[arm]["saved_activations_mb"] < 0.75 * arms["fp32"]["saved_activations_mb"]
+
+
+@pytest.mark.slow
+def test_accumulation_tiny_counts_one_all_reduce_round_per_optimizer_step(tmp_path):
+    result, _ = _run("accumulation.py", tmp_path, "--tiny")
+    grad_bytes = result["setup"]["fp32_gradient_bytes"]
+    assert grad_bytes == 4 * result["setup"]["parameters"]
+    k2 = result["per_k"]["2"]
+    # AccelDDP (Lightning's no_sync) reduces once per optimizer step; the naive loop once per micro-batch.
+    assert k2["accel_ddp"]["allreduce_bytes_per_step"] == grad_bytes
+    assert k2["raw_no_sync"]["allreduce_bytes_per_step"] == grad_bytes
+    assert k2["naive"]["allreduce_bytes_per_step"] == 2 * grad_bytes
+    assert k2["accel_ddp_bf16"]["allreduce_bytes_per_step"] == grad_bytes / 2
+    assert k2["naive"]["allreduce_calls_per_step"] == 2 * k2["accel_ddp"]["allreduce_calls_per_step"]
+    # The fp32 arms do the same math: same weights at the end.
+    for arm in ("raw_no_sync", "accel_ddp"):
+        assert k2[arm]["max_param_diff_vs_naive"] < 1e-5
+
+
+@pytest.mark.slow
+def test_overhead_tiny_reports_the_overhead_ratio(tmp_path):
+    result, _ = _run("overhead.py", tmp_path, "--tiny")
+    assert set(result["arms"]) == {"raw", "lightning", "lit_accel"}
+    assert result["overhead_ratio"] == result["ratios"]["lit_accel/lightning"]["median_step"]["median"] > 0
+    assert result["overhead_ratio_cpu_time"] == result["ratios"]["lit_accel/lightning"]["cpu"]["median"] > 0
+    assert isinstance(result["target_met"], bool)
+
+
+@pytest.mark.slow
+def test_scaling_tiny_writes_the_plot_and_a_unit_baseline(tmp_path):
+    result, _ = _run("scaling.py", tmp_path, "--tiny")
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
+    for mode in ("weak", "strong"):
+        assert result["measured"][mode]["1"]["efficiency"]["median"] == 1.0
+    curves = result["predicted"]["curves"]
+    # More devices on the same link can only lose efficiency in the ring model.
+    for curve in curves.values():
+        weak = [curve["weak"][n] for n in sorted(curve["weak"], key=int)]
+        assert weak == sorted(weak, reverse=True)
