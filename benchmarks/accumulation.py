@@ -9,17 +9,22 @@ optimizer step; a naive loop issues ``k``. Two CPU processes joined by gloo run,
 * ``naive``: a raw ``DistributedDataParallel`` loop that calls ``backward`` on every micro-batch (loss / k) and steps
   every k-th, without ``no_sync``;
 * ``raw_no_sync``: the same loop with ``no_sync()`` on the non-final micro-batches (the textbook fix);
-* ``accel_ddp``: ``Trainer(strategy=AccelDDP(), accumulate_grad_batches=k)``;
+* ``accel_ddp``: ``Trainer(strategy=AccelDDP(), accumulate_grad_batches=k)``: AccelDDP's default, no comm hook
+  (DDP's built-in C++ all-reduce), as users run it;
 * ``accel_ddp_bf16``: the same with ``AccelDDP(comm_hook="bf16")`` (gradients compressed to 16 bits on the wire).
 
-All arms count their collectives with the same wrapper (``AccelDDP``'s ``counting_comm_hook`` around torch's
-``allreduce_hook``, registered on the raw loops by hand), so calls and bytes are comparable; ``bytes`` is the payload
-handed to the all-reduce per rank (a ring moves about ``2(n-1)/n`` times it). The expected payload of one round is
-``4 x parameters`` bytes (fp32 gradients; half with ``bf16``), reported next to the measurement. Time per optimizer
-step is the mean over ``--steps`` steps after ``--warmup`` steps, slowest rank, median over ``--reps`` interleaved
-repetitions; "saved" is ``naive - arm``. All arms start from the same weights and see the same micro-batches in the
-same order, so their final weights must agree: the largest difference is reported as a check that they do the same
-math (the bf16 arm differs by design).
+The raw loops and ``accel_ddp_bf16`` count their collectives with one wrapper (``AccelDDP``'s ``counting_comm_hook``
+around the hook, registered on the raw loops by hand with torch's ``allreduce_hook``). ``accel_ddp`` reads
+``strategy.comm_stats`` too, which without a hook derives calls and bytes from the all-reduce rounds AccelDDP counts
+(one per synchronised backward) and DDP's bucket layout; as an independent check of those rounds it also reports DDP's
+own count of synchronised iterations per optimizer step (``ddp_sync_iterations_per_step``: the difference of the
+``iteration`` field of DDP's logging data, which AccelDDP has DDP sample every iteration on CPU). ``bytes`` is the
+payload handed to the all-reduce per rank (a ring moves about ``2(n-1)/n`` times it). The expected payload of one
+round is ``4 x parameters`` bytes (fp32 gradients; half with ``bf16``), reported next to the measurement. Time per
+optimizer step is the mean over ``--steps`` steps after ``--warmup`` steps, slowest rank, median over ``--reps``
+interleaved repetitions; "saved" is ``naive - arm``. All arms start from the same weights and see the same
+micro-batches in the same order, so their final weights must agree: the largest difference is reported as a check
+that they do the same math (the bf16 arm differs by design).
 
 The default model is an MLP with a large gradient (6.3 M parameters, 25 MB) and a small compute per micro-batch, so
 that communication is a visible share of the step, as for a large model on a fast accelerator.
@@ -87,7 +92,7 @@ def run_raw(arm: str, k: int, args: Any, loader: DataLoader) -> dict[str, Any]:
         final = (i + 1) % k == 0
         if i % k == 0:
             stamps.append(time.perf_counter())
-            counts.append((stats.calls, stats.bytes))
+            counts.append((stats.calls, stats.bytes, 0))
         sync = contextlib.nullcontext() if final or arm == "naive" else model.no_sync()
         with sync:
             # Divided by k as Lightning does: the accumulated gradient is the mean over the window.
@@ -97,7 +102,7 @@ def run_raw(arm: str, k: int, args: Any, loader: DataLoader) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
     stamps.append(time.perf_counter())
-    counts.append((stats.calls, stats.bytes))
+    counts.append((stats.calls, stats.bytes, 0))
     return {"stamps": stamps, "counts": counts, "params": _flat_params(net)}
 
 
@@ -107,18 +112,22 @@ def run_trainer(arm: str, k: int, args: Any, loader: DataLoader, world_size: int
     from lightning.pytorch.callbacks import Callback
 
     from lit_accel import AccelDDP
+    from lit_accel.utilities._compat import ddp_logging_data
 
     class StepClock(Callback):
         """Stamps the start of every accumulation window and reads the strategy's counters there."""
 
         def __init__(self) -> None:
             self.stamps: list[float] = []
-            self.counts: list[tuple[int, int]] = []
+            self.counts: list[tuple[int, int, int]] = []
 
         def _mark(self, trainer: Any) -> None:
             self.stamps.append(time.perf_counter())
             stats = trainer.strategy.comm_stats
-            self.counts.append((stats.calls, stats.bytes))
+            # DDP's latest sampled synchronised iteration: with a sample every iteration (AccelDDP's default on
+            # CPU) it lags the true count by one at every mark alike, so differences count DDP's rounds exactly.
+            iteration = int(ddp_logging_data(trainer.strategy.model).get("iteration", 0))
+            self.counts.append((stats.calls, stats.bytes, iteration))
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx % k == 0:
@@ -166,7 +175,7 @@ def worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
     for k in args.k:
         loader = make_loader(rank, world_size, args.batch, (args.warmup + args.steps) * k)
         times: dict[str, list[float]] = {arm: [] for arm in args.arms}
-        per_step: dict[str, tuple[float, float]] = {}
+        per_step: dict[str, tuple[float, ...]] = {}
         final: dict[str, torch.Tensor] = {}
         for rep in range(args.reps):
             for arm in _common.rotated(args.arms, rep):
@@ -178,7 +187,7 @@ def worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
                 stamps, counts = run["stamps"], run["counts"]
                 w, n = args.warmup, args.steps
                 times[arm].append((stamps[w + n] - stamps[w]) / n)
-                per_step[arm] = ((counts[w + n][0] - counts[w][0]) / n, (counts[w + n][1] - counts[w][1]) / n)
+                per_step[arm] = tuple((counts[w + n][i] - counts[w][i]) / n for i in range(3))
                 final[arm] = run["params"]
         reference = final.get("naive", next(iter(final.values())))
         out[str(k)] = {
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry: dict[str, Any] = {}
         naive_times = res["time_s"].get("naive")
         for arm in args.arms:
-            calls, nbytes = res["calls_bytes_per_step"][arm]
+            calls, nbytes, ddp_iterations = res["calls_bytes_per_step"][arm]
             expected_rounds = k if arm == "naive" else 1
             expected = expected_rounds * round_bytes["bf16" if arm == "accel_ddp_bf16" else "fp32"]
             ms = [1e3 * t for t in res["time_s"][arm]]
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "allreduce_bytes_per_step": nbytes,
                 "expected_bytes_per_step": expected,
                 "allreduce_mb_per_step": round(nbytes / 1e6, 3),
+                # DDP's own count (only meaningful where DDP samples every iteration: the hookless arm on CPU)
+                "ddp_sync_iterations_per_step": ddp_iterations if arm == "accel_ddp" else None,
                 "step_ms": _common.summarize(ms, 2),
                 "max_param_diff_vs_naive": res["max_param_diff_vs_naive"][arm],
             }
@@ -241,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 e["speedup_vs_naive"] = _common.summarize(_common.paired_ratios(naive_times, res["time_s"][arm]), 3)
             entry[arm] = e
             rows.append([
-                k, arm, f"{calls:g}", f"{nbytes / 1e6:.2f}", f"{expected / 1e6:.2f}", f"{e['step_ms']['median']:.1f}",
+                k, arm, f"{calls:g}", f"{ddp_iterations:g}" if arm == "accel_ddp" else "", f"{nbytes / 1e6:.2f}",
+                f"{expected / 1e6:.2f}", f"{e['step_ms']['median']:.1f}",
                 f"{e['step_ms']['q1']:.1f}-{e['step_ms']['q3']:.1f}",
                 f"{e['saved_ms_per_step_vs_naive']['median']:+.1f}" if "saved_ms_per_step_vs_naive" in e else "",
                 f"{e['speedup_vs_naive']['median']:.3f}" if "speedup_vs_naive" in e else "",
@@ -271,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "per_k": per_k,
     }
     table = _common.markdown_table(
-        ["k", "arm", "all-reduce calls / step", "MB / step", "expected MB / step", "median step (ms)",
+        ["k", "arm", "all-reduce calls / step", "DDP sync iterations / step", "MB / step", "expected MB / step",
+         "median step (ms)",
          "IQR (ms)", "saved vs naive (ms)", "speed-up vs naive", "max weight diff vs naive"],
         rows,
     )  # fmt: skip

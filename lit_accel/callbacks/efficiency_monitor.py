@@ -89,10 +89,17 @@ class EfficiencyMonitor(Callback):
     straggler; compute stragglers stay visible.
     [4] Strong-scaling efficiency (T1 / TK) / K = per-device throughput at K devices / throughput of one device.
     [5] nccl-tests ``doc/PERFORMANCE.md``: algbw = bytes / time, busbw = algbw x 2(n-1)/n for all-reduce (a ring
-    all-reduce moves 2K(n-1)/n bytes per device for a K-byte buffer). Read from ``strategy.comm_stats`` (duck-typed:
-    ``bytes``, ``pop_elapsed_s()``), which AccelDDP's timing comm hook fills. The time is the span during which at
-    least one gradient bucket was in flight, measured from the moment DDP hands a bucket over, so it includes any
-    queueing behind the backward: with buckets overlapping the backward, busbw is a lower bound of the link's.
+    all-reduce moves 2K(n-1)/n bytes per device for a K-byte buffer). Read from ``strategy.comm_stats`` (any object
+    with ``bytes`` and ``pop_elapsed_s()``: ``lit_accel.strategies._comm_hooks.SupportsCommStats``), which AccelDDP
+    fills in one of two ways. *Default (no comm hook; DDP's built-in all-reduce):* bytes = all-reduce rounds in the
+    window (one per synchronised backward) x the gradient bytes of DDP's buckets, exact; time = those rounds x DDP's
+    own per-round communication time (``backward_comm_time``, from the first bucket's launch to the last one's
+    completion) of its latest *sampled* round (every round on CPU; every ``log_every_n_steps`` rounds on CUDA, so
+    the figure may come from up to one logging interval earlier): an estimate, not a measurement of this window.
+    *With ``AccelDDP(comm_hook=...)``:* bytes = what the hook put on the wire (after compression), and time = the
+    measured span during which at least one bucket was in flight in this window. Either way the time starts when DDP
+    hands a bucket over, so it includes any queueing behind the backward: with buckets overlapping the backward,
+    busbw is a lower bound of the link's.
 
     Host-side data wait does not stall a GPU that still has queued work, so on GPU ``data_wait_frac`` is an upper
     bound of the stall. At the end of fit, rank 0 prints a ``rich`` table and writes ``report_path`` (JSON: every

@@ -139,6 +139,8 @@ class LossScaleMonitor(Callback):
             )
         self.logging_interval = logging_interval
         self.log_key_prefix = log_key_prefix
+        self._state_key_prefix = log_key_prefix
+        self._state_key = self._generate_state_key(log_key_prefix=log_key_prefix)
         self.track_underflow = track_underflow
         self.find_nonfinite = find_nonfinite
         self.skip_rate_threshold = skip_rate_threshold
@@ -171,7 +173,12 @@ class LossScaleMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(log_key_prefix=self.log_key_prefix)
+        # Lightning reads every callback's state_key on every hook call (the profiler's action name in
+        # trainer/call.py), so build the string once per prefix instead of once per hook.
+        if self._state_key_prefix != self.log_key_prefix:
+            self._state_key_prefix = self.log_key_prefix
+            self._state_key = self._generate_state_key(log_key_prefix=self.log_key_prefix)
+        return self._state_key
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,14 +1,21 @@
-"""DDP communication hooks by name, and the wrapper that counts and times every gradient collective.
+"""DDP communication hooks by name, and the counters of the gradient all-reduces that the ``EfficiencyMonitor`` reads.
 
-:class:`~lit_accel.strategies.accel_ddp.AccelDDP` always registers its hook through :func:`counting_comm_hook`, even
-when the user chose none (then the hook is torch's plain ``allreduce_hook``, which DDP documents as equivalent to
-registering nothing). The wrapper keeps host-side Python counters (:class:`CommStats`) that the ``EfficiencyMonitor``
-reads at logging steps: counting costs no device synchronisation, and timing is resolved only in
-:meth:`CommStats.pop_elapsed_s`.
+:class:`~lit_accel.strategies.accel_ddp.AccelDDP` keeps one of two kinds of counters in ``strategy.comm_stats``, both
+satisfying :class:`SupportsCommStats` (``calls``, ``bytes``, ``pop_elapsed_s()``):
+
+* **No hook (the default, ``comm_hook=None``)**: DDP runs its built-in C++ all-reduce, exactly as under Lightning's
+  ``DDPStrategy``, and :class:`DDPLoggingCommStats` derives the numbers from DDP's own logging: AccelDDP counts
+  all-reduce *rounds* (synchronised backward passes) with one Python integer increment each; the bucket layout
+  (for ``calls`` and ``bytes``) and DDP's sampled per-round communication time are read only when the counters are
+  read, at logging steps. A Python comm hook would cost about 1 ms per step on a CPU ViT (the bucket division moves
+  from C++ to Python: ``benchmarks/RESULTS.md``, section 1), which is why none is registered unless asked for.
+* **A hook (``comm_hook=`` a name or a callable)**: AccelDDP registers it through :func:`counting_comm_hook`, which
+  counts and times every bucket it reduces in :class:`CommStats`: counting costs no device synchronisation, and
+  timing is resolved only in :meth:`CommStats.pop_elapsed_s`.
 
 What is counted, per gradient bucket (``calls`` / ``bytes`` on the wire per rank, before the all-reduce algorithm):
 
-* default (torch's ``allreduce_hook``): 1 collective, ``numel x element size`` of the bucket;
+* no hook, or torch's ``allreduce_hook``: 1 collective, ``numel x element size`` of the bucket;
 * ``"fp16"`` / ``"bf16"``: 1 collective, ``numel x 2`` (the bucket cast to 16 bits);
 * ``"powersgd"``: before ``start_powerSGD_iter`` as the default; then 3 collectives (the uncompressed tensors, P and
   Q), with the element count torch's ``PowerSGDState`` itself adds to ``total_numel_after_compression`` for the
@@ -16,22 +23,30 @@ What is counted, per gradient bucket (``calls`` / ``bytes`` on the wire per rank
 * a callable: assumed 1 collective of the bucket's uncompressed size (the wrapper cannot see inside it).
 """
 
+# No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's annotations with the real
+# ``dist.GradBucket`` and ``Future[Tensor]`` types and refuses strings.
 import inspect
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
+from lit_accel.utilities._compat import ddp_logging_data
 from lit_accel.utilities._validation import check_int
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "COMM_HOOK_NAMES",
     "CommHookName",
     "CommStats",
+    "DDPLoggingCommStats",
+    "SupportsCommStats",
     "counting_comm_hook",
     "resolve_comm_hook",
     "validate_comm_hook",
@@ -47,8 +62,34 @@ _MAX_PENDING = 4096
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
+@runtime_checkable
+class SupportsCommStats(Protocol):
+    """What ``strategy.comm_stats`` offers its readers (the ``EfficiencyMonitor``), whichever counters fill it.
+
+    ``calls`` and ``bytes`` are cumulative Python ``int`` values over the strategy's life (all fits); read them and
+    call :meth:`pop_elapsed_s` at logging steps only (they may resolve device events or read DDP's logging data).
+    """
+
+    @property
+    def calls(self) -> int:
+        """Gradient all-reduce collectives issued so far."""
+        ...
+
+    @property
+    def bytes(self) -> int:
+        """Bytes those collectives put on the wire per rank (the payload, after any compression)."""
+        ...
+
+    def pop_elapsed_s(self) -> float:
+        """Seconds with a gradient collective in flight since the previous call (see each implementation)."""
+        ...
+
+
 class CommStats:
     """Host-side counters of the gradient collectives issued by DDP through AccelDDP's comm hook.
+
+    Used when ``AccelDDP(comm_hook=...)`` names a hook or passes a callable (with no hook, AccelDDP uses
+    :class:`DDPLoggingCommStats`); satisfies :class:`SupportsCommStats`.
 
     Attributes:
         calls: all-reduce collectives issued so far (cumulative; a Python ``int``).
@@ -133,6 +174,127 @@ class CommStats:
 
     def __repr__(self) -> str:
         return f"CommStats(calls={self.calls}, bytes={self.bytes})"
+
+
+class DDPLoggingCommStats:
+    """Counters of DDP's built-in all-reduce when no comm hook is registered, from DDP's own logging.
+
+    Satisfies :class:`SupportsCommStats`. AccelDDP calls :meth:`add_round` once per synchronised backward (the only
+    per-step work: a Python integer increment); everything else is read from ``DistributedDataParallel``'s logging
+    data when the counters are read, at logging steps:
+
+    * ``calls`` = the buckets of the first round's layout + (rounds - 1) x the buckets of the current layout. DDP
+      reduces every bucket once per round and rebuilds its buckets in gradient-ready order right before the second
+      round (not with ``find_unused_parameters=True``), but publishes the rebuilt layout only at its next
+      synchronised forward: a read in between counts the rounds after the first with the first layout (the next
+      read is exact again, since the number is recomputed from the round count each time).
+    * ``bytes`` = rounds x the bytes of all buckets (``numel x element size`` of the gradients DDP reduces).
+    * :meth:`pop_elapsed_s`: rounds since the previous call x DDP's per-round communication time of its latest
+      *sampled* iteration; an estimate, see the method.
+
+    Counters accumulate over fits: each new DDP model is attached with :meth:`attach`, and :meth:`detach` (at
+    teardown) folds its numbers in and drops the reference, so the model's buckets can be freed.
+    """
+
+    def __init__(self) -> None:
+        self.rounds = 0  # synchronised backward passes, all fits together
+        self._ddp: DistributedDataParallel | None = None
+        self._first_round = 0  # value of ``rounds`` when the current model was attached
+        self._popped_round = 0  # value of ``rounds`` at the previous pop
+        self._done_calls = 0  # calls and bytes of the models detached before
+        self._done_bytes = 0
+        self._folded_s = 0.0  # time of rounds not popped before their model was detached
+        self._initial: tuple[int, ...] = ()  # bucket bytes of the construction layout
+        self._rebuilt: tuple[int, ...] | None = None  # ... and of the rebuilt one, once DDP published it
+
+    def attach(self, ddp: "DistributedDataParallel") -> None:
+        """Start counting for a newly wrapped model (reads its construction-time bucket layout once)."""
+        self.detach()
+        self._ddp = ddp
+        self._first_round = self.rounds
+        self._initial = _bucket_sizes(ddp_logging_data(ddp).get("bucket_sizes"))
+        self._rebuilt = None
+
+    def detach(self) -> None:
+        """Fold the current model's numbers into the totals and drop the reference to it."""
+        if self._ddp is None:
+            return
+        self._done_calls, self._done_bytes = self.calls, self.bytes
+        self._folded_s += (self.rounds - self._popped_round) * self._round_time_s()
+        self._popped_round = self._first_round = self.rounds
+        self._ddp = None
+
+    def add_round(self) -> None:
+        """One synchronised backward: DDP all-reduces every bucket once."""
+        self.rounds += 1
+
+    @property
+    def calls(self) -> int:
+        """All-reduce collectives issued so far (cumulative), one per bucket per round."""
+        rounds = self.rounds - self._first_round
+        if self._ddp is None or rounds == 0:
+            return self._done_calls
+        current = self._layout()
+        return self._done_calls + len(self._initial) + (rounds - 1) * len(current)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes those collectives put on the wire per rank (cumulative): rounds x the gradient bytes DDP reduces."""
+        if self._ddp is None:
+            return self._done_bytes
+        return self._done_bytes + (self.rounds - self._first_round) * sum(self._initial)
+
+    def pop_elapsed_s(self) -> float:
+        """Estimated seconds with a gradient all-reduce in flight since the previous call (sampled, not measured).
+
+        Rounds since the previous call x ``backward_comm_time`` of DDP's latest sampled iteration: the time from
+        the launch of its first bucket's all-reduce to the end of ``finalize_backward`` (all buckets reduced, waiting
+        on slower peers included), measured by DDP's reducer with the host clock on CPU and CUDA events on GPU. It is
+        not measured over this window: DDP samples synchronised iterations 1-10 and then every ``sample_rate``-th
+        (AccelDDP sets 1 on CPU and the Trainer's ``log_every_n_steps`` on CUDA, where a sample costs a wait), and
+        publishes a sample at the next synchronised forward: on CPU the time is that of the round before the latest,
+        on CUDA of a round up to one logging interval earlier. ``0.0`` until DDP's first sample (published at the
+        second synchronised forward).
+        """
+        rounds, self._popped_round = self.rounds - self._popped_round, self.rounds
+        elapsed, self._folded_s = self._folded_s, 0.0
+        if rounds and self._ddp is not None:
+            elapsed += rounds * self._round_time_s()
+        return elapsed
+
+    def _layout(self) -> tuple[int, ...]:
+        if self._rebuilt is None and self._ddp is not None:
+            rebuilt = ddp_logging_data(self._ddp).get("rebuilt_bucket_sizes")
+            if rebuilt:
+                self._rebuilt = _bucket_sizes(rebuilt)  # DDP rebuilds once: cache it, stop reading
+        return self._initial if self._rebuilt is None else self._rebuilt
+
+    def _round_time_s(self) -> float:
+        if self._ddp is None:
+            return 0.0
+        data = ddp_logging_data(self._ddp)
+        # The latest sample; its running mean when that sample recorded no time (a sampled iteration without the
+        # backward's events, e.g. one whose backward never ran).
+        nanoseconds = data.get("backward_comm_time") or data.get("avg_backward_comm_time") or 0
+        return int(nanoseconds) / 1e9
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable for start_method="spawn": the totals travel, the DDP model does not.
+        return {"calls": self.calls, "bytes": self.bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self._done_calls, self._done_bytes = state["calls"], state["bytes"]
+
+    def __repr__(self) -> str:
+        return f"DDPLoggingCommStats(rounds={self.rounds}, calls={self.calls}, bytes={self.bytes})"
+
+
+def _bucket_sizes(text: object) -> tuple[int, ...]:
+    """DDP's ``"a, b, c"`` bucket sizes (bytes) as integers."""
+    if not isinstance(text, str) or not text.strip():
+        return ()
+    return tuple(int(part) for part in text.split(","))
 
 
 def _cuda_spans(events: list[tuple[Any, Any]]) -> list[tuple[float, float]]:

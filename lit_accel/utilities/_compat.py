@@ -174,3 +174,36 @@ def launched_child_processes(strategy: object) -> list[tuple[int, Any]]:
     """
     procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
     return [(index + 1, proc) for index, proc in enumerate(procs)]
+
+
+# --- DDP's built-in logging, read by AccelDDP's hookless comm stats (tests: tests/utilities/test_compat_strategies.py)
+
+#: How often (in synchronised iterations) AccelDDP asks DDP to sample its runtime statistics when logging is off;
+#: torch's own default (``kDDPRuntimeLoggingSampleRate`` in ``c10d/reducer.hpp``).
+DDP_DEFAULT_LOGGING_SAMPLE_RATE = 100
+
+
+def ddp_logging_data(ddp: object) -> dict[str, int | str]:
+    """``DistributedDataParallel._get_ddp_logging_data()``: DDP's own construction and runtime statistics.
+
+    The keys lit_accel reads (torch 2.14; written by ``c10d::Logger``): ``bucket_sizes`` (bytes per bucket of the
+    layout built at construction, ``"a, b, ..."``), ``rebuilt_bucket_sizes`` (the layout after DDP rebuilt its
+    buckets in gradient-ready order; present from the third synchronised forward, absent with
+    ``find_unused_parameters=True``), ``iteration`` (the synchronised iteration of the latest sample) and
+    ``backward_comm_time`` / ``avg_backward_comm_time`` (ns from the first bucket's all-reduce launch to the end of
+    ``finalize_backward`` in the latest sampled iteration / averaged over all samples). ``comm_hook`` is present only
+    when a comm hook is registered. The runtime fields of iteration ``n`` are set at the start of the next synchronised
+    forward; copying the maps costs tens of microseconds, so call this at logging steps only.
+    """
+    return ddp._get_ddp_logging_data()  # type: ignore[attr-defined]
+
+
+def set_ddp_logging_sample_rate(ddp: object, sample_rate: int) -> None:
+    """``DistributedDataParallel._set_ddp_runtime_logging_sample_rate``: sample DDP's runtime stats every n iterations.
+
+    DDP samples synchronised iterations 1-10 and then every ``sample_rate``-th
+    (``Reducer::should_collect_runtime_stats`` in ``c10d/reducer.cpp``). On CUDA a sample records timing events, and
+    the next synchronised forward waits for them (``CudaTimer::measureDifference`` synchronises them before
+    ``elapsed_time``).
+    """
+    ddp._set_ddp_runtime_logging_sample_rate(sample_rate)  # type: ignore[attr-defined]

@@ -344,6 +344,16 @@ def test_state_key_depends_on_the_prefix():
     assert LossScaleMonitor().state_key != LossScaleMonitor(log_key_prefix="amp2/").state_key
 
 
+def test_state_key_is_built_once_per_prefix():
+    # Lightning reads state_key on every hook call: the same string object each time, and the key Lightning's own
+    # generator gives (so checkpoints written before the cache still load); a changed prefix gives a new key.
+    monitor = LossScaleMonitor()
+    assert monitor.state_key is monitor.state_key
+    assert monitor.state_key == monitor._generate_state_key(log_key_prefix="amp/")
+    monitor.log_key_prefix = "amp2/"
+    assert monitor.state_key == LossScaleMonitor(log_key_prefix="amp2/").state_key
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +22,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 from lit_accel import AccelDDP
-from lit_accel.strategies._comm_hooks import CommStats
+from lit_accel.strategies._comm_hooks import CommStats, DDPLoggingCommStats, SupportsCommStats
+from lit_accel.utilities._compat import ddp_logging_data
 from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
 
 ATOL = 1e-5
@@ -135,6 +137,16 @@ def test_strategy_pickles_for_spawn_with_its_counters():
     restored = pickle.loads(pickle.dumps(strategy))
     assert (restored.comm_stats.calls, restored.comm_stats.bytes) == (3, 120)
     assert restored.global_batch_size == 64 and restored.comm_stats.pop_elapsed_s() == 0.0
+    # The hookless default's counters travel too (no DDP model is attached before the processes start).
+    hookless = pickle.loads(pickle.dumps(AccelDDP()))
+    assert isinstance(hookless.comm_stats, DDPLoggingCommStats)
+    assert (hookless.comm_stats.calls, hookless.comm_stats.bytes, hookless.comm_stats.pop_elapsed_s()) == (0, 0, 0.0)
+
+
+def test_comm_stats_kind_follows_comm_hook_and_both_satisfy_the_protocol():
+    default, hooked = AccelDDP(), AccelDDP(comm_hook="bf16")
+    assert type(default.comm_stats) is DDPLoggingCommStats and type(hooked.comm_stats) is CommStats
+    assert isinstance(default.comm_stats, SupportsCommStats) and isinstance(hooked.comm_stats, SupportsCommStats)
 
 
 def test_comm_stats_elapsed_time_is_the_union_of_intervals(monkeypatch):
@@ -310,6 +322,7 @@ class _StepRecorder(pl.Callback):
             "static_graph": ddp.static_graph,
             "find_unused_parameters": ddp.find_unused_parameters,
             "bucket_bytes_cap": ddp.bucket_bytes_cap,
+            "comm_hook": ddp_logging_data(ddp).get("comm_hook"),  # DDP logs a hook's name only when one is registered
         }
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -400,7 +413,8 @@ def test_comm_stats_count_collectives_and_bytes_per_hook(hook_runs):
     model = BNModel(batchnorm=False)
     numel = sum(p.numel() for p in model.parameters())
     for ranks in hook_runs:
-        # The user's own hook counts one call per bucket: the unit for every one-collective hook.
+        # The user's own hook counts one call per bucket: the unit for every one-collective hook. "default" has no
+        # hook (its numbers come from DDP's logging), so it must match what the user's hook saw really happen.
         buckets = ranks["callable"]["user_calls"] // _STEPS
         assert buckets >= 1 and ranks["callable"]["user_calls"] == _STEPS * buckets
         expected = {
@@ -430,7 +444,156 @@ def test_ddp_defaults_reach_the_wrapped_module(hook_runs):
         "static_graph": False,
         "find_unused_parameters": False,
         "bucket_bytes_cap": 25 * 1024 * 1024,  # torch's default bucket_cap_mb
+        "comm_hook": None,  # no Python hook: DDP's built-in C++ all-reduce, as under Lightning's DDPStrategy
     }
+
+
+def test_default_registers_no_comm_hook_and_given_hooks_are_wrapped(hook_runs):
+    for ranks in hook_runs:
+        assert ranks["default"]["ddp"]["comm_hook"] is None
+        assert ranks["fp16"]["ddp"]["comm_hook"] == "accel_counting_hook(fp16_compress_hook)"
+        assert ranks["powersgd"]["ddp"]["comm_hook"] == "accel_counting_hook(powerSGD_hook)"
+        assert ranks["callable"]["ddp"]["comm_hook"].startswith("accel_counting_hook(")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The hookless default's counters against really counted all-reduces (real processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+# 104-byte buckets: DDP builds one bucket at construction (its first bucket may hold 1 MiB) and, after the first
+# backward, rebuilds them in gradient-ready order into several, so the bucket count changes between rounds.
+_TINY_BUCKET_MB = 1e-4
+
+
+class _ManualThreeBackward(BNModel):
+    """Manual optimization with three backward passes per step, the first under ``block_backward_sync()``."""
+
+    def __init__(self) -> None:
+        super().__init__(batchnorm=False)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        # Lightning keeps DDP's forward from preparing the reducer in manual optimization; DDPStrategy.pre_backward
+        # prepares it before each manual_backward outside no_sync(): no round here, then one per call below.
+        with self.trainer.strategy.block_backward_sync():
+            self.manual_backward(loss / 3, retain_graph=True)
+        self.manual_backward(loss / 3, retain_graph=True)
+        self.manual_backward(loss / 3)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+class _CounterRecorder(pl.Callback):
+    """``comm_stats`` after every batch; for the hookless mode also DDP's sampled time and the pops."""
+
+    def __init__(self, pop: bool) -> None:
+        self.pop = pop
+        self.calls: list[int] = []
+        self.bytes: list[int] = []
+        self.pops: list[float] = []
+        self.comm_ns: list[int] = []
+        self.step_s: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.step_s.append(time.perf_counter() - self._start)
+        stats = trainer.strategy.comm_stats
+        self.calls.append(stats.calls)
+        self.bytes.append(stats.bytes)
+        if self.pop:
+            self.comm_ns.append(int(ddp_logging_data(trainer.strategy.model).get("backward_comm_time", 0)))
+            self.pops.append(stats.pop_elapsed_s())
+
+
+def _counter_run(rank: int, world_size: int, manual: bool, counted: bool) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    hook = _CountingAllReduce() if counted else None
+    strategy = AccelDDP(sync_batchnorm=False, bucket_cap_mb=_TINY_BUCKET_MB, comm_hook=hook)
+    recorder = _CounterRecorder(pop=not counted)
+    model = _ManualThreeBackward() if manual else BNModel(batchnorm=False)
+    kwargs = small_trainer_kwargs(
+        devices=world_size, max_steps=-1, max_epochs=1, use_distributed_sampler=False, callbacks=[recorder]
+    )
+    trainer = pl.Trainer(strategy=strategy, **kwargs)
+    loader = make_loader(make_dataset(24), 4, rank, world_size)  # 3 steps per epoch
+    trainer.fit(model, loader)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, loader)  # a second fit: a new DDP model, the same counters
+    return {
+        "calls": recorder.calls,
+        "bytes": recorder.bytes,
+        "pops": recorder.pops,
+        "comm_ns": recorder.comm_ns,
+        "step_s": recorder.step_s,
+        "hook_calls": hook.calls if hook is not None else None,
+        "final": (strategy.comm_stats.calls, strategy.comm_stats.bytes),
+    }
+
+
+def _counter_runs(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    return {
+        f"{'manual' if manual else 'automatic'}-{'counted' if counted else 'hookless'}": _counter_run(
+            rank, world_size, manual, counted
+        )
+        for manual in (False, True)
+        for counted in (False, True)
+    }
+
+
+@pytest.fixture(scope="module")
+def counter_runs() -> list[dict[str, dict[str, Any]]]:
+    return run_distributed(_counter_runs, 2, init_process_group=False, timeout=120)
+
+
+def test_hookless_calls_and_bytes_equal_the_counted_all_reduces(counter_runs):
+    numel = sum(p.numel() for p in BNModel(batchnorm=False).parameters())
+    for ranks in counter_runs:
+        first_layout_buckets = ranks["automatic-counted"]["calls"][0]  # the first round of a fit, counted for real
+        # Automatic: one round per step; manual: the two manual_backward calls outside no_sync(). DDP rebuilds its
+        # buckets before the second round: in the second step (automatic), within the first (manual).
+        for optimization, rounds_per_step, lag_step in (("automatic", 1, 1), ("manual", 2, 0)):
+            hookless, counted = ranks[f"{optimization}-hookless"], ranks[f"{optimization}-counted"]
+            assert len(counted["calls"]) == 6  # two fits of 3 steps
+            # The counting hook saw every bucket DDP reduced; the hook-fed counters agree with it.
+            assert counted["hook_calls"] == counted["calls"][-1]
+            per_step_calls = _per_step(counted["calls"])
+            assert len(set(per_step_calls)) > 1  # the layout really changes ...
+            assert first_layout_buckets < max(per_step_calls) // rounds_per_step  # ... to more buckets
+            assert per_step_calls[:3] == per_step_calls[3:]  # each fit starts on a fresh DDP model's first layout
+            for fit_start in (0, 3):
+                before = counted["calls"][fit_start - 1] if fit_start else 0
+                for step in range(fit_start, fit_start + 3):
+                    if step == fit_start + lag_step:
+                        # The documented lag: DDP publishes its rebuilt layout at the next synchronised forward, so
+                        # a read right after the second round counts every round so far with the first layout.
+                        rounds = (step - fit_start + 1) * rounds_per_step
+                        assert hookless["calls"][step] == before + rounds * first_layout_buckets, (optimization, step)
+                    else:  # the same real collectives, batch by batch, across the layout change and both fits
+                        assert hookless["calls"][step] == counted["calls"][step], (optimization, step)
+            assert hookless["final"] == counted["final"] == (counted["calls"][-1], counted["bytes"][-1])
+            # Bytes: every fp32 gradient once per round, exact at every read.
+            assert _per_step(hookless["bytes"]) == _per_step(counted["bytes"]) == [rounds_per_step * 4 * numel] * 6
+
+
+def test_hookless_elapsed_time_is_ddp_sampled_round_time(counter_runs):
+    for ranks in counter_runs:
+        for optimization, rounds_per_step in (("automatic", 1), ("manual", 2)):
+            run = ranks[f"{optimization}-hookless"]
+            for step, (pop, comm_ns) in enumerate(zip(run["pops"], run["comm_ns"])):
+                if step % 3 == 0:
+                    # The first step of each fit (a new DDP model): DDP publishes its first sample at the second
+                    # synchronised forward, so nothing is known yet.
+                    assert comm_ns == 0 and pop == 0.0, (optimization, step)
+                else:
+                    # Sampled every round on CPU: the rounds of this step x DDP's latest per-round time.
+                    assert comm_ns > 0 and pop == pytest.approx(rounds_per_step * comm_ns / 1e9, rel=1e-12)
+                    # A round's communication happens inside a step: a sampled round cannot outlast the slowest one.
+                    assert pop / rounds_per_step <= max(run["step_s"]), (optimization, step)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 from lit_accel import AccelDDP
@@ -112,12 +113,22 @@ def test_micro_batch_size_is_read_from_loaders() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _counted_allreduce(state, bucket):
+    """torch's all-reduce mean as a user comm hook: AccelDDP's wrapper then counts every collective really issued.
+
+    Without a hook (the default) ``comm_stats`` is derived from the rounds AccelDDP counts and DDP's bucket layout;
+    the tests whose point is how many all-reduces really happen use this hook instead.
+    """
+    return default_hooks.allreduce_hook(state, bucket)
+
+
 class _Recorder(pl.Callback):
-    """Gradients seen by every optimizer step, and the strategy's all-reduce count after every micro-batch."""
+    """Gradients seen by every optimizer step, and the strategy's all-reduce counters after every micro-batch."""
 
     def __init__(self) -> None:
         self.grads: list[dict[str, torch.Tensor]] = []
         self.calls: list[int] = []
+        self.bytes: list[int] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
@@ -125,6 +136,7 @@ class _Recorder(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
         stats = getattr(trainer.strategy, "comm_stats", None)
         self.calls.append(stats.calls if stats is not None else 0)
+        self.bytes.append(stats.bytes if stats is not None else 0)
 
 
 @contextmanager
@@ -160,6 +172,7 @@ def _fit(rank, world_size, strategy, batch_size, *, n=N_SAMPLES, epochs=EPOCHS, 
         "state": params_of(model),
         "grads": recorder.grads,
         "calls": recorder.calls,
+        "bytes": recorder.bytes,
         "accumulation": trainer.accumulate_grad_batches,
         "global": getattr(trainer.strategy, "global_batch_size", None),
         "micro": getattr(trainer.strategy, "micro_batch_size", None),
@@ -167,16 +180,26 @@ def _fit(rank, world_size, strategy, batch_size, *, n=N_SAMPLES, epochs=EPOCHS, 
     }
 
 
+def _strategy(global_batch_size: int | None = None, counted: bool = False, **kwargs) -> AccelDDP:
+    hook = _counted_allreduce if counted else None
+    return AccelDDP(global_batch_size=global_batch_size, sync_batchnorm=False, comm_hook=hook, **kwargs)
+
+
 def _accumulating_runs(rank: int, world_size: int) -> dict[str, dict]:
-    runs = {"mean": _fit(rank, world_size, AccelDDP(global_batch_size=GLOBAL, sync_batchnorm=False), MICRO)}
+    # "mean" runs the default (no comm hook), as users do; "*_counted", "k1", "k4" and "trainer_flag" count the
+    # all-reduces really issued, through a comm hook.
+    runs = {
+        "mean": _fit(rank, world_size, _strategy(GLOBAL), MICRO),
+        "mean_counted": _fit(rank, world_size, _strategy(GLOBAL, counted=True), MICRO),
+    }
     if world_size == 1:
-        strategy = AccelDDP(global_batch_size=GLOBAL, partial_window="lightning", sync_batchnorm=False)
-        runs["lightning"] = _fit(rank, world_size, strategy, MICRO)
+        runs["lightning"] = _fit(rank, world_size, _strategy(GLOBAL, partial_window="lightning"), MICRO)
     else:
         # The same accumulation from the Trainer flag (no global_batch_size), and k = 1 and 4 for the counts.
-        runs["trainer_flag"] = _fit(rank, world_size, AccelDDP(sync_batchnorm=False), MICRO, accumulate_grad_batches=2)
-        runs["k1"] = _fit(rank, world_size, AccelDDP(global_batch_size=16, sync_batchnorm=False), MICRO)
-        runs["k4"] = _fit(rank, world_size, AccelDDP(global_batch_size=64, sync_batchnorm=False), MICRO)
+        runs["trainer_flag"] = _fit(rank, world_size, _strategy(counted=True), MICRO, accumulate_grad_batches=2)
+        runs["k1"] = _fit(rank, world_size, _strategy(16, counted=True), MICRO)
+        runs["k1_hookless"] = _fit(rank, world_size, _strategy(16), MICRO)
+        runs["k4"] = _fit(rank, world_size, _strategy(64, counted=True), MICRO)
     return runs
 
 
@@ -247,11 +270,17 @@ def test_partial_window_is_averaged_over_its_micro_batches_and_lightning_mode_is
 
 
 def test_one_all_reduce_round_per_optimizer_step_whatever_k(one_process, two_processes):
+    # Real collectives, counted by a comm hook.
     batches_per_epoch = {1: N_SAMPLES // MICRO, 2: N_SAMPLES // MICRO // 2}
     per_step_counts = set()
-    cases = [(one_process["mean"], 1, 4)]
+    cases = [(one_process["mean_counted"], 1, 4)]
     for ranks in two_processes:
-        cases += [(ranks["k1"], 2, 1), (ranks["mean"], 2, 2), (ranks["k4"], 2, 4), (ranks["trainer_flag"], 2, 2)]
+        cases += [
+            (ranks["k1"], 2, 1),
+            (ranks["mean_counted"], 2, 2),
+            (ranks["k4"], 2, 4),
+            (ranks["trainer_flag"], 2, 2),
+        ]
     for run, world_size, k in cases:
         assert run["accumulation"] == k
         increments = [b - a for a, b in zip([0, *run["calls"]], run["calls"])]
@@ -261,6 +290,23 @@ def test_one_all_reduce_round_per_optimizer_step_whatever_k(one_process, two_pro
         # ... and the same number (one round over DDP's buckets) on every optimizer step.
         per_step_counts |= {inc for inc, end in zip(increments, ends) if end}
     assert len(per_step_counts) == 1 and per_step_counts.pop() >= 1
+
+
+def test_hookless_counters_equal_the_counted_all_reduces_with_and_without_accumulation(one_process, two_processes):
+    numel = sum(p.numel() for p in BNModel(batchnorm=False).parameters())
+    batches_per_epoch = {1: N_SAMPLES // MICRO, 2: N_SAMPLES // MICRO // 2}
+    cases = [(one_process["mean"], one_process["mean_counted"], 1, 4)]
+    for ranks in two_processes:
+        cases += [(ranks["mean"], ranks["mean_counted"], 2, 2), (ranks["k1_hookless"], ranks["k1"], 2, 1)]
+    for hookless, counted, world_size, k in cases:
+        assert hookless["accumulation"] == counted["accumulation"] == k
+        # Micro-batch by micro-batch, the same collectives as the hook really saw (one bucket: no layout change) ...
+        assert hookless["calls"] == counted["calls"], (world_size, k)
+        # ... and the fp32 gradient bytes once per optimizer step (per rank), nothing on non-final micro-batches.
+        ends = _window_ends(batches_per_epoch[world_size], k, EPOCHS)
+        increments = [b - a for a, b in zip([0, *hookless["bytes"]], hookless["bytes"])]
+        assert increments == [4 * numel if end else 0 for end in ends], (world_size, k)
+        assert hookless["bytes"] == counted["bytes"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,31 +347,21 @@ class _NoSizeBatchSampler:
 
 
 def _refusals(rank: int, world_size: int) -> dict[str, tuple[str, bool, int]]:
+    # Every strategy counts its real all-reduces through a comm hook: "none before the first step" must be observed.
     nosize = DataLoader(make_dataset(64), batch_sampler=_NoSizeBatchSampler(32, 8))
     return {
-        "not_divisible": _error_of(rank, world_size, AccelDDP(global_batch_size=30, sync_batchnorm=False)),
+        "not_divisible": _error_of(rank, world_size, _strategy(30, counted=True)),
         "static_trainer_flag": _error_of(
-            rank, world_size, AccelDDP(static_graph=True, sync_batchnorm=False), accumulate_grad_batches=2
+            rank, world_size, _strategy(counted=True, static_graph=True), accumulate_grad_batches=2
         ),
-        "static_global": _error_of(
-            rank, world_size, AccelDDP(global_batch_size=32, static_graph=True, sync_batchnorm=False)
-        ),
-        "conflict": _error_of(
-            rank, world_size, AccelDDP(global_batch_size=32, sync_batchnorm=False), accumulate_grad_batches=3
-        ),
+        "static_global": _error_of(rank, world_size, _strategy(32, counted=True, static_graph=True)),
+        "conflict": _error_of(rank, world_size, _strategy(32, counted=True), accumulate_grad_batches=3),
         "scheduler": _error_of(
-            rank,
-            world_size,
-            AccelDDP(global_batch_size=32, sync_batchnorm=False),
-            callbacks=[GradientAccumulationScheduler({0: 2})],
+            rank, world_size, _strategy(32, counted=True), callbacks=[GradientAccumulationScheduler({0: 2})]
         ),
-        "unreadable": _error_of(rank, world_size, AccelDDP(global_batch_size=32, sync_batchnorm=False), loader=nosize),
-        "per_rank": _error_of(
-            rank, world_size, AccelDDP(global_batch_size=32, sync_batchnorm=False), batch_size=8 if rank else 4
-        ),
-        "micro_mismatch": _error_of(
-            rank, world_size, AccelDDP(global_batch_size=32, micro_batch_size=4, sync_batchnorm=False)
-        ),
+        "unreadable": _error_of(rank, world_size, _strategy(32, counted=True), loader=nosize),
+        "per_rank": _error_of(rank, world_size, _strategy(32, counted=True), batch_size=8 if rank else 4),
+        "micro_mismatch": _error_of(rank, world_size, _strategy(32, counted=True, micro_batch_size=4)),
         "explicit_micro": _explicit_micro_batch_size_run(rank, world_size, nosize),
     }
 
@@ -342,7 +378,7 @@ class _AccumulationSeenByOptimizers(BNModel):
 
 def _explicit_micro_batch_size_run(rank: int, world_size: int, loader: DataLoader) -> tuple[str, int, int | None]:
     model = _AccumulationSeenByOptimizers()
-    strategy = AccelDDP(global_batch_size=32, micro_batch_size=8, sync_batchnorm=False)
+    strategy = _strategy(32, counted=True, micro_batch_size=8)
     kwargs = small_trainer_kwargs(devices=world_size, strategy=strategy, use_distributed_sampler=False, max_steps=2)
     pl.Trainer(**kwargs).fit(model, loader)
     return "", strategy.comm_stats.calls, model.seen
