@@ -6,11 +6,9 @@ single-process references below use Lightning's default single-device strategy.
 
 from __future__ import annotations
 
-import logging
 import math
 import pickle
 import time
-from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,25 +22,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 from lit_accel import AccelDDP
 from lit_accel.strategies._comm_hooks import CommStats, DDPLoggingCommStats, SupportsCommStats
 from lit_accel.utilities._compat import ddp_logging_data
-from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
+from tests.helpers import (
+    BNModel,
+    lightning_info_messages,
+    make_dataset,
+    make_loader,
+    params_of,
+    run_distributed,
+    small_trainer_kwargs,
+)
 
 ATOL = 1e-5
-
-
-@contextmanager
-def _info_messages():
-    messages: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("lightning.pytorch")
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
 
 
 def _assert_states_close(actual: dict, expected: dict, atol: float = ATOL) -> None:
@@ -216,7 +206,7 @@ def _fit_bn(
     else:
         loader = make_loader(make_dataset(48), batch_size)
     trainer = pl.Trainer(**trainer_kwargs)
-    with _info_messages() as messages:
+    with lightning_info_messages() as messages:
         for _ in range(fits):
             trainer.fit(model, loader)
     return {

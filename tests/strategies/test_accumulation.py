@@ -6,10 +6,8 @@ never creates a process group: AccelDDP runs, even on one process, live in forke
 
 from __future__ import annotations
 
-import logging
 import math
 import re
-from contextlib import contextmanager
 
 import lightning.pytorch as pl
 import pytest
@@ -27,7 +25,15 @@ from lit_accel.strategies._accumulation import (
     nearest_micro_batch_sizes,
     plan_accumulation,
 )
-from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
+from tests.helpers import (
+    BNModel,
+    lightning_info_messages,
+    make_dataset,
+    make_loader,
+    params_of,
+    run_distributed,
+    small_trainer_kwargs,
+)
 
 # 80 samples in micro-batches of 8 with a global batch of 32: windows of 4, 4, 2 micro-batches on one process and
 # 2, 2, 1 on two, i.e. big batches of 32, 32 and 16 samples. Two epochs check that windows restart with the epoch.
@@ -139,22 +145,6 @@ class _Recorder(pl.Callback):
         self.bytes.append(stats.bytes if stats is not None else 0)
 
 
-@contextmanager
-def _info_messages():
-    messages: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("lightning.pytorch")
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
-
-
 def _fit(rank, world_size, strategy, batch_size, *, n=N_SAMPLES, epochs=EPOCHS, max_steps=-1, **trainer_kwargs):
     pl.seed_everything(0, verbose=False)
     model = BNModel(batchnorm=False)
@@ -166,7 +156,7 @@ def _fit(rank, world_size, strategy, batch_size, *, n=N_SAMPLES, epochs=EPOCHS, 
     else:
         loader = make_loader(make_dataset(n), batch_size)
     trainer = pl.Trainer(**kwargs)
-    with _info_messages() as messages:
+    with lightning_info_messages() as messages:
         trainer.fit(model, loader)
     return {
         "state": params_of(model),
