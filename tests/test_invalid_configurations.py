@@ -64,6 +64,20 @@ class _ModelWith(BNModel):
         return self.optimizer_factory(self.parameters())
 
 
+class _ManualModel(BNModel):
+    """Manual optimization: one ``opt.step()`` per batch, whatever the Trainer's accumulation says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()
+
+
 def _loader(rank: int, batch_size: int = MICRO) -> DataLoader:
     return make_loader(make_dataset(64), batch_size, rank, WORLD_SIZE)
 
@@ -115,6 +129,10 @@ FIT_ROWS: dict[str, tuple[Callable[[int], dict[str, Any]], Row]] = {
     "accel_ddp-batch_sizes_differ_between_ranks": (
         lambda rank: _config(rank, AccelDDP(global_batch_size=48), loader=_loader(rank, 4 if rank == 0 else 8)),
         Row(ValueError, r"from 4 to 8", r"no accumulation fits all of them", r"Fix: give every rank the same"),
+    ),
+    "accel_ddp-global_batch_with_manual_optimization": (
+        lambda rank: _config(rank, AccelDDP(global_batch_size=32), model=_ManualModel()),
+        Row(ValueError, r"global_batch_size=32\)", r"manual optimization, where Lightning does not", r"Fix: use .*=8"),
     ),
     "accel_ddp-static_graph_with_trainer_accumulation": (
         lambda rank: _config(rank, AccelDDP(static_graph=True), accumulate_grad_batches=2),

@@ -17,6 +17,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_accel.callbacks._flops import FlopCounter
+from lit_accel.utilities._compat import batches_that_stepped
 from lit_accel.utilities._peak_flops import lookup_peak_flops, matmul_precision
 from lit_accel.utilities._timing import IntervalTimer, synchronize
 from lit_accel.utilities._validation import check_int, check_number
@@ -42,12 +43,14 @@ class EfficiencyMonitor(Callback):
     gathers a 10-number vector from every rank in **one** ``all_gather``. Between logging steps the hooks only read
     ``time.perf_counter`` and add Python numbers (plus two CUDA timing events per micro-batch on GPU): no tensor
     work, no host-device sync. Windows are aligned with optimizer steps (``trainer.global_step`` advancing within a
-    batch), so gradient accumulation, including an epoch's shorter last window, is counted correctly. Validation
+    batch), so gradient accumulation, including an epoch's shorter last window, is counted correctly; a batch in
+    which several optimizers step (manual optimization, e.g. a GAN) is one step. Validation
     runs inside the fit are excluded from every time. The first ``warmup_steps`` optimizer steps (compilation,
     autotuning, the FLOP-counting step) are neither logged nor averaged.
 
-    Logged from rank 0 through every ``trainer.loggers`` entry at the trainer's cadence (optimizer steps where
-    ``global_step % log_every_n_steps == 0``), at the step value Lightning uses for that optimizer step's own
+    Logged from rank 0 through every ``trainer.loggers`` entry at the trainer's cadence (every
+    ``log_every_n_steps``-th step, as Lightning's own logging; ``0``: only the summary at the end of fit), at the
+    step value Lightning uses for that optimizer step's own
     ``training_step`` metrics, so rows line up with ``train_loss``. ``W`` is the window's wall-clock (the slowest
     rank's), ``n`` the world size, ``S`` the samples of all ranks in the window (per-rank batches may differ), ``k`` the
     optimizer steps in it. GB = 1e9 bytes.
@@ -210,7 +213,7 @@ class EfficiencyMonitor(Callback):
         self._windows: list[dict[str, float]] = []
         self._val_start = None
         self._val_in_gap = self._val_in_window = self._val_at_step = 0.0
-        self._step_label = trainer.global_step
+        self._step_label = batches_that_stepped(trainer)
         self._last_step_end = self._last_end = self._clock()
         if self._warmup() == 0:
             self._open_window(trainer, self._last_end)
@@ -265,8 +268,11 @@ class EfficiencyMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        # Stop before the optimizer runs: optimizers such as Shampoo or Muon run matmuls that are no model FLOPs.
-        self._finish_flop_count()
+        # Stop before the optimizer runs: optimizers such as Shampoo or Muon run matmuls that are no model FLOPs. In
+        # manual optimization a training_step may run several forward/backward passes around several steps (a GAN):
+        # count all of it, until the batch ends.
+        if pl_module.automatic_optimization:
+            self._finish_flop_count()
 
     def _finish_flop_count(self) -> None:
         if self._counter is None or not self._counter.active:
@@ -287,14 +293,15 @@ class EfficiencyMonitor(Callback):
     ) -> None:
         self._finish_flop_count()
         self._in_forward = False
-        stepped = trainer.global_step - self._batch_step
-        if stepped > 0:
+        if trainer.global_step > self._batch_step:  # one step, however many optimizers stepped in this batch
             now = self._clock()
-            self._steps_seen += stepped
-            self._step_label, self._last_step_end, self._val_at_step = self._batch_step, now, self._val_in_window
+            label = batches_that_stepped(trainer)  # this step's index; Lightning increments it after this hook
+            self._steps_seen += 1
+            self._step_label, self._last_step_end, self._val_at_step = label, now, self._val_in_window
             if self._window_start is not None:
-                self._acc["steps"] += stepped
-                if trainer.global_step % trainer.log_every_n_steps == 0:
+                self._acc["steps"] += 1
+                every = trainer.log_every_n_steps
+                if every and (label + 1) % every == 0:
                     self._close_window(trainer, self._step_label)
             elif self._steps_seen >= self._warmup():
                 # One sync when measuring starts, so warm-up work still queued on the device stays out of it.
@@ -353,7 +360,7 @@ class EfficiencyMonitor(Callback):
                 total[i] = max(total[i], value) if _FIELDS[i] == "peak_mem" else total[i] + value
         self._total_window_s += window_s
         self._windows.append({"step": label, **metrics})
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and trainer.log_every_n_steps:  # 0: Lightning logs nothing (barebones)
             prefixed = {self.log_key_prefix + k: v for k, v in metrics.items()}
             for logger in trainer.loggers:
                 logger.log_metrics(prefixed, step=label)

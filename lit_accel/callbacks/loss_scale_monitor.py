@@ -17,7 +17,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_accel.callbacks._scale_sources import StatsSource, TorchScalerSource, select_source
-from lit_accel.utilities._compat import grad_scaler_grads_unscaled
+from lit_accel.utilities._compat import batches_that_stepped, grad_scaler_grads_unscaled
 from lit_accel.utilities._validation import check_bool, check_int, is_number
 
 if TYPE_CHECKING:
@@ -46,8 +46,10 @@ class LossScaleMonitor(Callback):
     Values are read with one host sync per logging step (every ``logging_interval`` optimizer steps, by default the
     Trainer's ``log_every_n_steps``); other steps cost a few tiny device ops and no sync. Every rank computes the
     values (they agree, since gradients are all-reduced before the scaler sees them) and rank 0's loggers write them.
-    Rows are logged with ``step = trainer.global_step - 1``, the index of the optimizer step just taken, which is the
-    step Lightning gives ``self.log`` values from the same batch, so the curves line up with the training loss.
+    Rows are logged with the step Lightning gives ``self.log`` values from the same batch (with one optimizer,
+    ``trainer.global_step - 1``, the index of the optimizer step just taken), so the curves line up with the training
+    loss. A batch in which several optimizers step (manual optimization) counts as one step, as for Lightning's
+    logging and for ``AccelPrecision``'s scale update.
 
     ==============================  ====================================================================
     key (default prefix ``amp/``)    value
@@ -199,9 +201,10 @@ class LossScaleMonitor(Callback):
         if self._state["window_step"] is None:
             # One read before training (not on the step path): the baseline of a resumed AccelPrecision's counters.
             skipped = self._read().get("skipped", 0.0)
-            self._state.update(window_step=trainer.global_step, window_skipped=skipped)
-            if self._state["warn_step"] is None and trainer.global_step >= self.warmup_steps:
-                self._state.update(warn_step=trainer.global_step, warn_skipped=skipped)
+            steps = batches_that_stepped(trainer)
+            self._state.update(window_step=steps, window_skipped=skipped)
+            if self._state["warn_step"] is None and steps >= self.warmup_steps:
+                self._state.update(warn_step=steps, warn_skipped=skipped)
 
     @override
     def on_train_batch_start(
@@ -219,8 +222,8 @@ class LossScaleMonitor(Callback):
         if self.find_nonfinite:
             self._report_nonfinite(trainer, optimizer)
         interval = self._interval(trainer)
-        # global_step counts this step only once it is taken: the step about to be taken is number global_step + 1.
-        if self.track_underflow and interval and (trainer.global_step + 1) % interval == 0:
+        # Counted only once the batch ends: the step about to be taken is number batches_that_stepped + 1.
+        if self.track_underflow and interval and (batches_that_stepped(trainer) + 1) % interval == 0:
             self._accumulate_underflow(optimizer)
 
     @override
@@ -228,17 +231,18 @@ class LossScaleMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # An optimizer step happened iff global_step moved (it counts skipped steps too): correct under gradient
-        # accumulation, where most batches do not step.
-        start, step = self._batch_start_step, trainer.global_step
-        if self._source is None or step == start:
+        # accumulation, where most batches do not step. A batch in which several optimizers stepped is one step, as
+        # for the scaler (one update per iteration) and for Lightning's logging.
+        if self._source is None or trainer.global_step == self._batch_start_step:
             return
-        self._state["steps_seen"] += step - start
+        step = batches_that_stepped(trainer) + 1  # Lightning increments it after this hook
+        self._state["steps_seen"] += 1
         self._source.after_step()
         scale = self._source.scale()
         if scale is not None:
             self._update_min(scale)
         interval = self._interval(trainer)
-        if interval and step // interval > start // interval:
+        if interval and step % interval == 0:
             self._log(trainer, step)
 
     @override

@@ -259,6 +259,13 @@ class DynamicGradScaler(torch.amp.GradScaler):
         c["overflow_streak"].copy_(streak)
         c["steps"].add_(1)
 
+    def host_skipped(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        """Whether the optimizer's step since the last ``update()`` was skipped, when known on the host for free.
+
+        Known for non-fused optimizers (``step()`` read the found-inf flag); ``None`` for fused ones and before a step.
+        """
+        return self._host_skipped.get(id(optimizer))
+
     def last_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool | Tensor | None:
         """Whether the optimizer's last step was skipped: a host bool when known for free, else a 0-d device flag.
 

@@ -68,8 +68,19 @@ class AccelPrecision(Precision):
     scaling (``precision.scaler is None``), but a NaN/inf gradient would still be written into the weights. An
     internal non-scaling ``DynamicGradScaler`` (scale fixed at 1.0) checks the gradients and skips such a step;
     ``on_nonfinite="raise"`` (default) then raises with the step and batch index, ``"skip"`` counts it in
-    ``skipped_steps`` and continues. ``torch.optim.LBFGS`` re-evaluates the closure inside ``step()`` and cannot be
-    guarded: it runs unguarded, with a warning.
+    ``skipped_steps`` and continues. The guard runs the closure (forward and backward) before ``step()``, so
+    optimizers that re-evaluate the closure inside ``step()`` cannot be guarded: ``torch.optim.LBFGS`` runs unguarded,
+    with a warning; for others (SAM-style optimizers) pass ``on_nonfinite="off"``, which the error says if their
+    ``step()`` complains about a missing closure.
+
+    **Several optimizers per batch** (manual optimization: ``manual_backward(loss); opt1.step(); opt2.step()``, or a
+    GAN's two passes). As torch's AMP recipe asks, the fp16 scale is updated once per iteration, not after each
+    optimizer: in manual optimization the update is deferred to the first backward of the next batch (or the next
+    step of an optimizer that already stepped, or a read of the scaler's state), so every optimizer unscales its
+    gradients with the scale they were computed with, and ``hysteresis``/``growth_interval``/``skipped_steps`` count
+    training batches. An overflow in one optimizer's gradients skips only that optimizer's step (torch's behaviour).
+    Automatic optimization updates right after the step. An optimizer with no gradients (its parameters took no part
+    in the batch's backward) is stepped plainly, outside the scaler.
 
     **Gradient clipping** acts on unscaled gradients. For fused optimizers (``AdamW(fused=True)`` etc.), which
     unscale inside their kernel, the gradients are unscaled first only when clipping is requested (one extra pass
@@ -90,9 +101,9 @@ class AccelPrecision(Precision):
                                                            is read every ``min_scale_check_interval`` steps.
     guard, fused, ``on_nonfinite="skip"``        0         the kernel skips on the device.
     guard, fused, ``on_nonfinite="raise"``       0         the kernel skips on the device; the flag is copied to
-                                                           pinned host memory without a sync and checked at a
-                                                           later step (or at the end of fit), so the error
-                                                           comes a step or two late but names the bad step.
+                                                           pinned host memory without a sync and checked two
+                                                           steps later (or at the end of fit), on every rank
+                                                           at the same step; the error names the bad step.
     any fused + a step-interval LR scheduler     1         the scheduler must know whether the step was skipped.
     ===========================================  ========  ===================================================
 
@@ -115,7 +126,9 @@ class AccelPrecision(Precision):
         dynamic: ``False`` for static loss scaling at ``init_scale``.
         on_min_scale: ``"raise"`` a ``RuntimeError`` (default) or ``"warn"`` once and keep skipping at ``min_scale``.
         on_nonfinite: bf16/fp32 steps with inf/NaN gradients: ``"raise"`` (default: with bf16's range this is a
-            bug or divergence, not a calibration event, and silently skipping hides it) or ``"skip"`` and count.
+            bug or divergence, not a calibration event, and silently skipping hides it), ``"skip"`` and count, or
+            ``"off"``: no guard, the closure is passed to ``optimizer.step()`` as Lightning does (for optimizers
+            that re-evaluate it inside ``step()``, such as SAM).
         min_scale_check_interval: with fused optimizers, read the min-scale counter every this many steps.
 
     Raises:
@@ -154,7 +167,7 @@ class AccelPrecision(Precision):
         max_scale: float = 2.0**24,
         dynamic: bool = True,
         on_min_scale: Literal["raise", "warn"] = "raise",
-        on_nonfinite: Literal["raise", "skip"] = "raise",
+        on_nonfinite: Literal["raise", "skip", "off"] = "raise",
         min_scale_check_interval: int = 100,
     ) -> None:
         name = type(self).__name__
@@ -167,7 +180,7 @@ class AccelPrecision(Precision):
         )
         check_choice(name, "device", device, (None, "cpu", "cuda"), "None, to follow the Trainer's device")
         check_choice(name, "on_min_scale", on_min_scale, ("raise", "warn"), "'raise' (the default)")
-        check_choice(name, "on_nonfinite", on_nonfinite, ("raise", "skip"), "'raise' (the default)")
+        check_choice(name, "on_nonfinite", on_nonfinite, ("raise", "skip", "off"), "'raise' (the default)")
         check_bool(name, "dynamic", dynamic)
         validate_scaler_args(
             name, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
@@ -200,9 +213,14 @@ class AccelPrecision(Precision):
         self._scheduled: set[int | None] = set()  # ids of optimizers with step-interval schedulers (None: unknown)
         self._skipped_on_host: dict[int, bool] = {}
         # Fused optimizers + guard + on_nonfinite="raise": the kernel already skipped the bad step on the device, so
-        # the flag is read a step or two later, when its copy has reached the host, instead of stalling every step.
+        # the flag is read two steps later, when its copy has reached the host, instead of stalling every step.
         self._lagged_nonfinite = LaggedFlags()
         self._without_backward = False
+        # Manual optimization, fp16: optimizers stepped since the last scaler update, with the (global step, batch
+        # index) of their step, for the deferred update (see "Several optimizers on one backward").
+        self._pending_update: dict[int, tuple[Optimizer, int, int]] = {}
+        self._pending_trainer: pl.Trainer | None = None
+        self._pending_batch = -1  # train_batches_started() when the pending steps were taken
         if device == "cpu":
             # Only on CPU: CUDA tensors created before a fork-based launcher (ddp_fork, notebooks) starts its workers
             # would break CUDA there, and the rank's GPU is only known in connect().
@@ -221,6 +239,7 @@ class AccelPrecision(Precision):
         scaler = self._active_scaler
         if scaler is None:
             return int((self._pending_state or {}).get(self._state_key, {}).get("skipped_steps", 0))
+        self._flush_update()
         return int(scaler.counter("skipped_steps").item())
 
     @property
@@ -231,6 +250,7 @@ class AccelPrecision(Precision):
         if self.scaler is None:
             pending = (self._pending_state or {}).get("scaler") or {}
             return float(pending.get("scale", self._scaler_kwargs["init_scale"]))
+        self._flush_update()
         return self.scaler.get_scale()
 
     def scaler_stats(self) -> ScalerStats:
@@ -247,6 +267,7 @@ class AccelPrecision(Precision):
                 f"{type(self).__name__}.scaler_stats(): the scaler is created when the Trainer sets the plugin up"
                 " (or at construction with device='cpu'/'cuda'); call it during or after fit()."
             )
+        self._flush_update()
         return scaler.stats()
 
     # ------------------------------------------------------------------ setup
@@ -346,6 +367,8 @@ class AccelPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None and self.precision == "16-mixed":
+            if self._pending_update and self._batch_of(module) != self._pending_batch:
+                self._flush_update()  # the first backward of a new batch: apply the last batch's deferred update
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
@@ -356,31 +379,77 @@ class AccelPrecision(Precision):
         self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         scaler = self._active_scaler
-        if scaler is None or isinstance(optimizer, LBFGS):
+        unguarded = scaler is self._guard and self.on_nonfinite == "off"
+        if scaler is None or unguarded or isinstance(optimizer, LBFGS):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._raise_lagged_nonfinite()
+        key = id(optimizer)
+        if key in self._pending_update:  # this optimizer steps again: a new iteration began without a backward
+            self._flush_update()
         closure_result = closure()
         # training_step returned None: there was no backward, so nothing to unscale or step (as Lightning).
         without_backward = closure_result is None and model.automatic_optimization
+        # Manual optimization may step an optimizer whose parameters this iteration's backward did not reach: the
+        # scaler has nothing to check (torch's GradScaler would assert), so it is stepped plainly, as Lightning's
+        # bf16/fp32 would. The scan stops at the first gradient, in practice the first parameter.
+        no_grads = not model.automatic_optimization and not _has_grads(optimizer)
+        if without_backward or no_grads:
+            self._skipped_on_host[key] = False  # not a skipped step: step-interval schedulers move, as in Lightning
         if (
             not without_backward
+            and not no_grads
             and scaler is self.scaler
             and not _compat.optimizer_handles_amp_scaling(optimizer)
             and not _compat.grad_scaler_grads_unscaled(scaler, optimizer)
         ):
             # Unscale before the hooks and clipping see the gradients. One foreach kernel, no sync.
             scaler.unscale_(optimizer)
-        self._without_backward = without_backward
+        self._without_backward = without_backward or no_grads
         try:
             self._after_closure(model, optimizer)
         finally:
             self._without_backward = False
         if without_backward:
             return closure_result
-        output = scaler.step(optimizer, **kwargs)  # skips optimizer.step() (or the fused kernel) on inf/NaN
+        if no_grads:
+            return optimizer.step(**kwargs)
+        try:
+            output = scaler.step(optimizer, **kwargs)  # skips optimizer.step() (or the fused kernel) on inf/NaN
+        except Exception as err:
+            if "closure" in str(err).lower():
+                raise RuntimeError(self._closure_message(optimizer)) from err
+            raise
+        trainer = model.trainer
+        if scaler is self.scaler and not model.automatic_optimization:
+            # Deferred: other optimizers may still unscale gradients of the same backward with the current scale.
+            self._pending_update[key] = (optimizer, trainer.global_step, _compat.train_batch_idx(trainer))
+            self._pending_trainer = trainer
+            self._pending_batch = self._batch_of(model)
+            host = scaler.host_skipped(optimizer)
+            if host is None:  # fused: the flag is on the device until the update
+                self._skipped_on_host.pop(key, None)
+            else:
+                self._skipped_on_host[key] = host
+            return output
         scaler.update()
-        self._after_step(scaler, optimizer, model.trainer)
+        self._after_step(scaler, optimizer, trainer)
         return output
+
+    @staticmethod
+    def _batch_of(module: pl.LightningModule) -> int:
+        trainer = _trainer_of(module)
+        return -1 if trainer is None else _compat.train_batches_started(trainer)
+
+    def _flush_update(self) -> None:
+        """Apply the deferred scaler update of the last manual-optimization iteration, then act on its outcome."""
+        if not self._pending_update:
+            return
+        pending, self._pending_update = list(self._pending_update.values()), {}
+        trainer, self._pending_trainer = self._pending_trainer, None
+        assert self.scaler is not None and trainer is not None
+        self.scaler.update()
+        for optimizer, step, batch_idx in pending:
+            self._after_step(self.scaler, optimizer, trainer, at=(step, batch_idx))
 
     @override
     def clip_gradients(
@@ -401,8 +470,13 @@ class AccelPrecision(Precision):
                 scaler.unscale_(optimizer)  # also covers manual optimization's self.clip_gradients(...)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
-    def _after_step(self, scaler: DynamicGradScaler, optimizer: Optimizer, trainer: pl.Trainer) -> None:
-        """Learn on the host whether the step was skipped when that is free or needed, and act on it."""
+    def _after_step(
+        self, scaler: DynamicGradScaler, optimizer: Optimizer, trainer: pl.Trainer, at: tuple[int, int] | None = None
+    ) -> None:
+        """Learn on the host whether the step was skipped when that is free or needed, and act on it.
+
+        ``at`` is the (global step, batch index) of the optimizer step when it is handled later (deferred update).
+        """
         key = id(optimizer)
         skipped = scaler.last_step_skipped(optimizer)
         is_guard = scaler is not self.scaler
@@ -419,22 +493,22 @@ class AccelPrecision(Precision):
                 raise RuntimeError(self._nonfinite_message(self._where(trainer)))
             return
         if skipped:
-            self._check_min_scale(trainer)
+            self._check_min_scale(trainer, at=at)
         elif skipped is None and scaler.dynamic:
             self._steps_since_check += 1
             if self._steps_since_check >= self.min_scale_check_interval:
                 self._steps_since_check = 0
-                self._check_min_scale(trainer, periodic=True)
+                self._check_min_scale(trainer, periodic=True, at=at)
 
-    def _check_min_scale(self, trainer: pl.Trainer, periodic: bool = False) -> None:
+    def _check_min_scale(self, trainer: pl.Trainer, periodic: bool = False, at: tuple[int, int] | None = None) -> None:
         assert self.scaler is not None
         scale, hits, first_hit = self.scaler.read_min_scale_state()  # one sync, on overflow steps only
         if not periodic or hits > self._hits_seen:
-            self._history.append((trainer.global_step, scale))
+            self._history.append((trainer.global_step if at is None else at[0], scale))
         if hits <= self._hits_seen:
             return
         self._hits_seen = hits
-        message = self._min_scale_message(trainer, scale, first_hit, periodic)
+        message = self._min_scale_message(trainer, scale, first_hit, periodic, at)
         if self.on_min_scale == "raise":
             raise RuntimeError(message)
         if not self._warned_min_scale:
@@ -444,23 +518,28 @@ class AccelPrecision(Precision):
             )
 
     def _should_skip_scheduler(self, optimizer: Optimizer | None) -> bool:
+        if self._pending_update and (optimizer is None or id(_unwrap(optimizer)) not in self._skipped_on_host):
+            self._flush_update()  # a fused optimizer's skip flag is on the device until the update
         if optimizer is None:
             return any(self._skipped_on_host.values())
         return self._skipped_on_host.get(id(_unwrap(optimizer)), False)
 
     # ------------------------------------------------------------------ messages
 
-    def _where(self, trainer: pl.Trainer) -> str:
-        return f"optimizer step {trainer.global_step} (batch_idx {_compat.train_batch_idx(trainer)})"
+    def _where(self, trainer: pl.Trainer, at: tuple[int, int] | None = None) -> str:
+        step, batch_idx = at if at is not None else (trainer.global_step, _compat.train_batch_idx(trainer))
+        return f"optimizer step {step} (batch_idx {batch_idx})"
 
-    def _min_scale_message(self, trainer: pl.Trainer, scale: float, first_hit: int, periodic: bool) -> str:
+    def _min_scale_message(
+        self, trainer: pl.Trainer, scale: float, first_hit: int, periodic: bool, at: tuple[int, int] | None = None
+    ) -> str:
         assert self.scaler is not None
         history = ", ".join(f"step {step}: {value:g}" for step, value in self._history) or "none recorded"
         detected = (
-            f" (detected at {self._where(trainer)}; with a fused optimizer the check runs every"
+            f" (detected at {self._where(trainer, at)}; with a fused optimizer the check runs every"
             f" {self.min_scale_check_interval} steps)"
             if periodic
-            else f" at {self._where(trainer)}"
+            else f" at {self._where(trainer, at)}"
         )
         return (
             f"{type(self).__name__}('16-mixed'): the loss scale is at min_scale={self.scaler.min_scale:g} and the"
@@ -483,10 +562,20 @@ class AccelPrecision(Precision):
         """Report a non-finite step of the last steps that had not reached the host yet (fused optimizers)."""
         try:
             if sys.exc_info()[0] is None:  # never mask an exception that is already ending the fit
+                self._flush_update()
                 self._raise_lagged_nonfinite(wait=True)
         finally:
+            self._pending_update, self._pending_trainer = {}, None
             self._lagged_nonfinite.clear()
             super().teardown()
+
+    def _closure_message(self, optimizer: Optimizer) -> str:
+        return (
+            f"{type(self).__name__}({self.precision!r}): {type(optimizer).__name__}.step() needs the closure, but the"
+            " loss scaler / non-finite guard runs the closure (forward and backward) before step() and calls step()"
+            " without it. Fix: for bf16-mixed/32-true pass on_nonfinite='off' (no guard; the closure is passed to"
+            " step() as in Lightning); '16-mixed' cannot drive such an optimizer (use 'bf16-mixed')."
+        )
 
     def _nonfinite_message(self, where: str) -> str:
         return (
@@ -505,6 +594,7 @@ class AccelPrecision(Precision):
         scaler = self._active_scaler
         if scaler is None:
             return dict(self._pending_state or {})
+        self._flush_update()
         return {
             "precision": self.precision,
             self._state_key: scaler.state_dict(),
@@ -548,6 +638,10 @@ def _legacy_clip_message(owner: str, optimizer: str, clip_val: float) -> str:
         " gradients itself inside step(grad_scaler=...), would clip scaled gradients. Use a torch optimizer with"
         " fused=True (AccelPrecision unscales before clipping for those), a non-fused optimizer, or no clipping."
     )
+
+
+def _has_grads(optimizer: Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -140,9 +140,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         input, weight, mean, var, invstd, total_count = ctx.saved_tensors
         num_channels = input.shape[1]
         if ctx.local_count > 0:
-            # Σdy·x̂ and Σdy are exactly the weight and bias gradients of a unit-weight BatchNorm.
+            # Σdy·x̂ and Σdy are exactly the weight and bias gradients of a unit-weight BatchNorm. The unit weight is
+            # passed explicitly: torch's CUDA kernel allocates its weight gradient from the weight's options and fails
+            # on a missing weight (the CPU kernel accepts None). In the statistics dtype it selects the kernel's
+            # mixed-precision path (float32 accumulation) for float16/bfloat16 inputs.
+            unit_weight = torch.ones(num_channels, dtype=mean.dtype, device=mean.device)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad_output, input, None, None, None, mean, invstd, True, ctx.eps, [False, True, True]
+                grad_output, input, unit_weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
             )
         else:
             sum_dy_xhat = sum_dy = mean.new_zeros(num_channels)

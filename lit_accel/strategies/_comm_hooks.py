@@ -405,7 +405,9 @@ def resolve_comm_hook(
             )
         return powerSGD_hook.powerSGD_hook, state, "powersgd"
     assert callable(comm_hook)
-    return comm_hook, comm_state, "custom"
+    # torch's hooks take a process group as their state, None meaning the whole world: default to DDP's own group,
+    # so that a hook such as default_hooks.allreduce_hook reduces over the group DDP was given.
+    return comm_hook, comm_state if comm_state is not None else process_group, "custom"
 
 
 def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: CommStats) -> CommHook:

@@ -116,7 +116,8 @@ class AccelDDP(DDPStrategy):
             ``None`` for the plain all-reduce mean: DDP's built-in path with no Python hook (the fastest; its
             all-reduce time is DDP's sampled per-round figure). To time every all-reduce of the plain mean instead,
             pass ``comm_hook=torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``.
-        comm_state: state for a callable hook, or a ready ``PowerSGDState`` for ``"powersgd"``.
+        comm_state: state for a callable hook (default: DDP's process group, the state torch's own hooks take), or a
+            ready ``PowerSGDState`` for ``"powersgd"``.
         powersgd_rank: PowerSGD's ``matrix_approximation_rank`` (default 1).
         powersgd_start_iter: PowerSGD's ``start_powerSGD_iter`` (default 1000; at least 2): steps of plain
             all-reduce before compressing.
@@ -371,6 +372,17 @@ class AccelDDP(DDPStrategy):
                 f"{plan.accumulate_grad_batches} ({plan.describe()}), which contradicts Trainer("
                 f"accumulate_grad_batches={self._user_accumulation}). Fix: drop one of them."
             )
+        module = self.lightning_module
+        if plan.accumulate_grad_batches > 1 and module is not None and not module.automatic_optimization:
+            # Lightning refuses Trainer(accumulate_grad_batches>1) with manual optimization before this point, and its
+            # manual loop ignores the setting: every opt.step() would still see one micro-batch per device.
+            raise ValueError(
+                f"AccelDDP(global_batch_size={plan.global_batch_size}) needs accumulate_grad_batches="
+                f"{plan.accumulate_grad_batches} ({plan.describe()}), but {type(module).__name__} uses manual"
+                " optimization, where Lightning does not accumulate. Fix: use global_batch_size="
+                f"{plan.micro_batch_size * plan.world_size} (micro-batch x devices), or accumulate in your"
+                " training_step (call opt.step() every k batches) and drop global_batch_size."
+            )
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
         self._applied_accumulation = plan.accumulate_grad_batches
         self._resolved_micro_batch_size = plan.micro_batch_size
@@ -525,7 +537,9 @@ class AccelDDP(DDPStrategy):
     ) -> Any:
         trainer = self._attached_trainer
         accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
-        if self._partial_window == "mean" and accumulation > 1:
+        module = self.lightning_module
+        automatic = module is None or module.automatic_optimization
+        if self._partial_window == "mean" and accumulation > 1 and automatic:
             closure = self._partial_window_closure(closure, optimizer, accumulation)
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -129,6 +129,21 @@ def train_batch_idx(trainer: object) -> int:
     return trainer.fit_loop.epoch_loop.batch_idx  # type: ignore[attr-defined]
 
 
+def train_batches_started(trainer: object) -> int:
+    """Training batches fetched since the run began, over all epochs (``batch_progress.total.ready``)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total.ready  # type: ignore[attr-defined]
+
+
+def batches_that_stepped(trainer: object) -> int:
+    """Training batches that ended with an optimizer step so far: the ``step`` Lightning logs metrics with.
+
+    Equal to ``global_step`` with one optimizer; with several optimizers stepping in one batch (manual optimization)
+    ``global_step`` counts each, this counts the batch once. Lightning increments it after ``on_train_batch_end``, so
+    inside that hook it is the index of the current batch's step, as for ``self.log``.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped  # type: ignore[attr-defined]
+
+
 # --- Resume at an epoch boundary (tests: tests/utilities/test_compat_reliability.py) ---
 
 

@@ -106,7 +106,8 @@ def lookup_peak_flops(device_name: str, precision: str) -> float | None:
 
     Returns:
         FLOP/s (not TFLOP/s), or ``None`` when the device is not in the table or has no figure for the precision
-        (V100 has no bf16 tensor cores; the table keeps no fp64 figures).
+        (V100 has no bf16 tensor cores; the table keeps no fp64 figures), and for a MIG slice ("... MIG 1g.10gb"),
+        which has only a fraction of the GPU's compute: pass the slice's own peak.
 
     Example::
 
@@ -114,6 +115,8 @@ def lookup_peak_flops(device_name: str, precision: str) -> float | None:
         835500000000000.0
     """
     tokens = _tokens(device_name)
+    if "mig" in tokens:
+        return None
     for key in sorted(PEAK_TFLOPS, key=lambda k: -len(k.split())):
         key_tokens = key.split()
         n = len(key_tokens)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 from lit_accel import AccelDDP
-from lit_accel.strategies._comm_hooks import CommStats, DDPLoggingCommStats, SupportsCommStats
+from lit_accel.strategies._comm_hooks import CommStats, DDPLoggingCommStats, SupportsCommStats, resolve_comm_hook
 from lit_accel.utilities._compat import ddp_logging_data
 from tests.helpers import (
     BNModel,
@@ -640,3 +640,12 @@ def test_accel_ddp_spawn_launches_two_processes_and_reverts_batchnorm():
     assert isinstance(trainer.strategy, AccelDDP) and trainer.world_size == 2
     assert type(model.net[1]) is _UserBatchNorm
     assert not torch.equal(params_of(model)["net.0.weight"], before["net.0.weight"])
+
+
+def test_a_callable_hook_without_state_gets_ddps_process_group():
+    # torch's hooks reduce over their state's group (None: the world); with DDP(process_group=...) they must get that.
+    group = object()
+    _, state, kind = resolve_comm_hook(default_hooks.allreduce_hook, None, 1, 2, group)
+    assert state is group and kind == "custom"
+    mine = object()
+    assert resolve_comm_hook(default_hooks.allreduce_hook, mine, 1, 2, group)[1] is mine

@@ -98,3 +98,24 @@ def test_train_batch_idx_is_the_hooks_batch_idx():
     trainer = pl.Trainer(**small_trainer_kwargs(max_epochs=2, max_steps=-1, callbacks=[probe]))
     trainer.fit(BNModel(), make_loader(make_dataset(24), 8))
     assert probe.pairs == [(i, i) for i in range(3)] * 2
+
+
+class _StepProbe(pl.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append(
+            (trainer.global_step, _compat.batches_that_stepped(trainer), _compat.train_batches_started(trainer))
+        )
+
+
+def test_batch_counters_under_accumulation_across_epochs():
+    # 3 batches per epoch, accumulation 2: steps after batches 1 and 2 (the epoch's last), in each epoch.
+    probe = _StepProbe()
+    trainer = pl.Trainer(
+        **small_trainer_kwargs(max_epochs=2, max_steps=-1, accumulate_grad_batches=2, callbacks=[probe])
+    )
+    trainer.fit(BNModel(), make_loader(make_dataset(24), 8))
+    # (global_step, batches that stepped before this batch's increment, batches fetched so far)
+    assert probe.rows == [(0, 0, 1), (1, 0, 2), (2, 1, 3), (2, 2, 4), (3, 2, 5), (4, 3, 6)]

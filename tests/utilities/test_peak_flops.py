@@ -96,3 +96,10 @@ def test_32_true_is_tf32_only_when_pytorch_allows_it():
         assert matmul_precision("32-true") == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_a_mig_slice_has_no_table_peak():
+    # A slice has a fraction of the GPU's compute: the full GPU's peak would understate MFU several-fold.
+    assert lookup_peak_flops("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "bf16") is None
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "bf16") is None
+    assert lookup_peak_flops("NVIDIA A100-SXM4-40GB", "bf16") == 312e12

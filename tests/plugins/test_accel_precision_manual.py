@@ -1,0 +1,218 @@
+"""AccelPrecision under manual optimization: several optimizers, idle optimizers, closure optimizers, empty batches.
+
+Each test compares against the arithmetic torch's AMP recipe prescribes (one scale update per iteration, every
+optimizer unscaling with the scale its gradients were computed with), and would fail on Lightning's
+``MixedPrecision``, which updates the scale after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_accel import AccelPrecision
+from tests.helpers import small_trainer_kwargs
+
+INF = float("inf")
+
+
+class TwoOptimizers(pl.LightningModule):
+    """One loss, one backward, two optimizers (a backbone/head split). Records what each optimizer step sees.
+
+    With lr=0 the weights never move, so every gradient is exactly ``sum(x) = 4`` per weight row when unscaled.
+    ``overflow_a`` puts inf into the first optimizer's gradients at those iterations (the head stays finite),
+    ``overflow_both`` into both.
+    """
+
+    def __init__(self, overflow_a=(), overflow_both=(), lr=0.0, optimizer=torch.optim.SGD):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Linear(4, 1, bias=False)
+        self.b = nn.Linear(4, 1, bias=False)
+        self.overflow_a, self.overflow_both = set(overflow_a), set(overflow_both)
+        self.lr, self.optimizer = lr, optimizer
+        self.seen: list[tuple[str, float]] = []
+        self.iteration = 0
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        opt_a, opt_b = self.optimizers()
+        factor = INF if self.iteration in self.overflow_a else 1.0
+        both = INF if self.iteration in self.overflow_both else 1.0
+        self.iteration += 1
+        loss = (self.a(x).float().sum() * factor + self.b(x).float().sum()) * both
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+    def on_before_optimizer_step(self, optimizer):
+        name = "a" if optimizer.param_groups[0]["params"][0] is self.a.weight else "b"
+        self.seen.append((name, optimizer.param_groups[0]["params"][0].grad.sum().item()))
+
+    def configure_optimizers(self):
+        return self.optimizer(self.a.parameters(), lr=self.lr), self.optimizer(self.b.parameters(), lr=self.lr)
+
+
+def _fit(model, plugin, steps, batches=8, **kwargs):
+    trainer = pl.Trainer(**small_trainer_kwargs(max_steps=steps, plugins=[plugin], **kwargs))
+    data = TensorDataset(torch.ones(2 * batches, 4))
+    trainer.fit(model, DataLoader(data, batch_size=2))
+    return trainer
+
+
+def test_several_optimizers_on_one_backward_unscale_with_the_scale_of_their_gradients():
+    # growth_interval=1: the scale doubles after every clean iteration. Updating after the first optimizer's step
+    # would halve the second optimizer's gradient (Lightning's MixedPrecision does).
+    model = TwoOptimizers()
+    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1)
+    _fit(model, plugin, steps=2 * 4)  # global_step counts both optimizers' steps: 4 iterations
+    assert model.seen == [(name, 8.0) for _ in range(4) for name in "ab"]  # 2 samples x 4 ones, unscaled
+    stats = plugin.scaler_stats()
+    assert stats.scale.item() == 2.0**8  # one growth per iteration, not per optimizer step
+    assert stats.growths.item() == 4
+
+
+def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once_per_iteration():
+    model = TwoOptimizers(overflow_a={1}, lr=0.1)
+    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=100)
+    before_a = None
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            nonlocal before_a
+            if pl_module.iteration == 1:
+                before_a = pl_module.a.weight.detach().clone()
+            if pl_module.iteration == 2:
+                # iteration 1 overflowed in a only: a did not move, b did
+                assert torch.equal(pl_module.a.weight, before_a)
+
+    _fit(model, plugin, steps=2 * 3, callbacks=[Snapshot()])
+    stats = plugin.scaler_stats()
+    # The head's finite gradient after the overflowing iteration is still unscaled with the scale it was made with.
+    assert [g for name, g in model.seen if name == "b"] == [8.0, 8.0, 8.0]
+    assert stats.scale.item() == 2.0**3  # backed off once for the one bad iteration
+    assert stats.skipped_steps.item() == 1  # counts iterations with an overflow
+    assert stats.backoffs.item() == 1
+
+
+def test_hysteresis_counts_iterations_not_optimizer_steps():
+    # One bad iteration with hysteresis=2 must not back off, though both optimizers overflowed in it.
+    model = TwoOptimizers(overflow_both={1})
+    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=100, hysteresis=2)
+    _fit(model, plugin, steps=2 * 3)
+    stats = plugin.scaler_stats()
+    assert stats.scale.item() == 2.0**4
+    assert stats.skipped_steps.item() == 1 and stats.backoffs.item() == 0
+
+
+def test_deferred_update_is_applied_before_a_checkpoint_and_at_the_end_of_fit(tmp_path):
+    model = TwoOptimizers()
+    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1)
+    trainer = _fit(model, plugin, steps=2 * 3)
+    assert plugin.loss_scale == 2.0**7
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    state = torch.load(tmp_path / "last.ckpt", weights_only=True)["AccelPrecision"]
+    assert state["scaler"]["scale"] == 2.0**7 and state["scaler"]["growths"] == 3
+
+
+class IdleOptimizer(pl.LightningModule):
+    """Two optimizers, but only the first one's parameters take part in the loss on odd batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Linear(4, 1)
+        self.b = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        opt_a, opt_b = self.optimizers()
+        loss = self.a(x).float().sum() + (self.b(x).float().sum() if batch_idx % 2 == 0 else 0.0)
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()  # no gradients on odd batches: a plain no-op step, as in Lightning
+        opt_a.zero_grad(set_to_none=True)
+        opt_b.zero_grad(set_to_none=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+def test_an_optimizer_without_gradients_is_stepped_plainly(precision):
+    model = IdleOptimizer()
+    plugin = AccelPrecision(precision, "cpu", init_scale=2.0**4)  # no overflow: every skip would be a bug
+    b_before = model.b.weight.detach().clone()
+    _fit(model, plugin, steps=2 * 4)
+    assert plugin.skipped_steps == 0
+    assert not torch.equal(model.b.weight, b_before)  # it still learned on the even batches
+
+
+class ClosureOptimizer(torch.optim.SGD):
+    """Like SAM: ``step()`` re-evaluates the closure itself and refuses to run without it."""
+
+    def step(self, closure=None):
+        assert closure is not None, "ClosureOptimizer requires closure, but it was not provided"
+        with torch.enable_grad():
+            closure()
+        return super().step()
+
+
+class ClosureModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return ClosureOptimizer(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_an_optimizer_that_needs_the_closure_gets_a_clear_error_and_runs_with_the_guard_off(precision):
+    with pytest.raises(RuntimeError, match=r"ClosureOptimizer.step\(\) needs the closure.*on_nonfinite='off'"):
+        _fit(ClosureModel(), AccelPrecision(precision, "cpu"), steps=2)
+    model = ClosureModel()
+    before = model.net.weight.detach().clone()
+    _fit(model, AccelPrecision(precision, "cpu", on_nonfinite="off"), steps=2)
+    assert not torch.equal(model.net.weight, before)
+
+
+class NoneAfterOverflow(pl.LightningModule):
+    """Batch 0 overflows (fp16), batch 1 returns None (no backward, no step), then normal batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        if batch_idx == 1:
+            return None
+        loss = self.net(x).float().pow(2).mean()
+        return loss * INF if batch_idx == 0 else loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_batch_without_backward_advances_the_scheduler_as_lightning_does_even_after_a_skipped_step():
+    model = NoneAfterOverflow()
+    trainer = pl.Trainer(**small_trainer_kwargs(max_epochs=1, max_steps=-1, plugins=[AccelPrecision("16-mixed")]))
+    trainer.fit(model, DataLoader(TensorDataset(torch.ones(6, 4)), batch_size=2))
+    # batch 0: skipped step, LR kept; batch 1: no backward, Lightning steps the scheduler; batch 2: a real step.
+    assert model.lrs == [1.0, 0.5, 0.25]
