@@ -10,7 +10,6 @@ steps with non-finite gradients are never written into the weights.
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,8 +25,8 @@ from typing_extensions import override
 
 from lit_accel.plugins._grad_scaler import DynamicGradScaler, ScalerStats, validate_scaler_args
 from lit_accel.plugins._skip_aware_scheduler import make_skip_aware
+from lit_accel.plugins._step_outcomes import StepOutcomes, Where
 from lit_accel.utilities import _compat
-from lit_accel.utilities._lagged_flags import LaggedFlags
 from lit_accel.utilities._validation import check_bool, check_choice, check_int
 
 if TYPE_CHECKING:
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["AccelPrecision", "ScalerStats"]
 
 _PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
-_HISTORY = 8  # overflow steps kept for the min-scale error message
 
 
 class AccelPrecision(Precision):
@@ -187,9 +185,6 @@ class AccelPrecision(Precision):
         )
         check_int(name, "min_scale_check_interval", min_scale_check_interval, example=100)
         self.precision = precision  # type: ignore[assignment]
-        self.on_min_scale = on_min_scale
-        self.on_nonfinite = on_nonfinite
-        self.min_scale_check_interval = min_scale_check_interval
         self._scaler_kwargs: dict[str, Any] = dict(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -206,27 +201,24 @@ class AccelPrecision(Precision):
         self.scaler: DynamicGradScaler | None = None
         self._guard: DynamicGradScaler | None = None  # non-scaling scaler: the bf16/fp32 non-finite check
         self._pending_state: dict[str, Any] | None = None
-        self._history: deque[tuple[int, float]] = deque(maxlen=_HISTORY)  # (step, scale after it) at overflows
-        self._hits_seen = 0
-        self._warned_min_scale = False
-        self._steps_since_check = 0
-        self._scheduled: set[int | None] = set()  # ids of optimizers with step-interval schedulers (None: unknown)
-        self._skipped_on_host: dict[int, bool] = {}
-        # Fused optimizers + guard + on_nonfinite="raise": the kernel already skipped the bad step on the device, so
-        # the flag is read two steps later, when its copy has reached the host, instead of stalling every step.
-        self._lagged_nonfinite = LaggedFlags()
+        self._outcomes = StepOutcomes(name, precision, on_min_scale, on_nonfinite, min_scale_check_interval)
         self._without_backward = False
-        # Manual optimization, fp16: optimizers stepped since the last scaler update, with the (global step, batch
-        # index) of their step, for the deferred update (see "Several optimizers on one backward").
-        self._pending_update: dict[int, tuple[Optimizer, int, int]] = {}
-        self._pending_trainer: pl.Trainer | None = None
-        self._pending_batch = -1  # train_batches_started() when the pending steps were taken
         if device == "cpu":
             # Only on CPU: CUDA tensors created before a fork-based launcher (ddp_fork, notebooks) starts its workers
             # would break CUDA there, and the rank's GPU is only known in connect().
             self._build(torch.device("cpu"))
 
     # ------------------------------------------------------------------ public state
+
+    @property
+    def on_min_scale(self) -> Literal["raise", "warn"]:
+        """What an overflow at ``min_scale`` does: ``"raise"`` or ``"warn"``."""
+        return self._outcomes.on_min_scale
+
+    @property
+    def on_nonfinite(self) -> Literal["raise", "skip", "off"]:
+        """What the bf16/fp32 guard does with non-finite gradients: ``"raise"``, ``"skip"`` or ``"off"``."""
+        return self._outcomes.on_nonfinite
 
     @property
     def device(self) -> torch.device | None:
@@ -239,7 +231,7 @@ class AccelPrecision(Precision):
         scaler = self._active_scaler
         if scaler is None:
             return int((self._pending_state or {}).get(self._state_key, {}).get("skipped_steps", 0))
-        self._flush_update()
+        self._outcomes.flush()
         return int(scaler.counter("skipped_steps").item())
 
     @property
@@ -250,7 +242,7 @@ class AccelPrecision(Precision):
         if self.scaler is None:
             pending = (self._pending_state or {}).get("scaler") or {}
             return float(pending.get("scale", self._scaler_kwargs["init_scale"]))
-        self._flush_update()
+        self._outcomes.flush()
         return self.scaler.get_scale()
 
     def scaler_stats(self) -> ScalerStats:
@@ -267,7 +259,7 @@ class AccelPrecision(Precision):
                 f"{type(self).__name__}.scaler_stats(): the scaler is created when the Trainer sets the plugin up"
                 " (or at construction with device='cpu'/'cuda'); call it during or after fit()."
             )
-        self._flush_update()
+        self._outcomes.flush()
         return scaler.stats()
 
     # ------------------------------------------------------------------ setup
@@ -341,12 +333,12 @@ class AccelPrecision(Precision):
         if clip_val and legacy and self.precision == "16-mixed":
             raise ValueError(_legacy_clip_message(name, legacy[0], clip_val))
 
-        self._scheduled = set()
+        self._outcomes.scheduled = set()
         for config in lr_schedulers:
             if config.interval == "step":
                 opt = getattr(config.scheduler, "optimizer", None)
                 if make_skip_aware(config.scheduler, self):
-                    self._scheduled.add(id(_unwrap(opt)) if opt is not None else None)
+                    self._outcomes.scheduled.add(id(_unwrap(opt)) if opt is not None else None)
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ autocast and backward
@@ -367,8 +359,8 @@ class AccelPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None and self.precision == "16-mixed":
-            if self._pending_update and self._batch_of(module) != self._pending_batch:
-                self._flush_update()  # the first backward of a new batch: apply the last batch's deferred update
+            if self._outcomes.is_pending() and self._batch_of(module) != self._outcomes.pending_batch:
+                self._outcomes.flush()  # the first backward of a new batch: apply the last batch's deferred update
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
@@ -382,10 +374,9 @@ class AccelPrecision(Precision):
         unguarded = scaler is self._guard and self.on_nonfinite == "off"
         if scaler is None or unguarded or isinstance(optimizer, LBFGS):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        self._raise_lagged_nonfinite()
-        key = id(optimizer)
-        if key in self._pending_update:  # this optimizer steps again: a new iteration began without a backward
-            self._flush_update()
+        self._outcomes.raise_lagged_nonfinite()
+        if self._outcomes.is_pending(optimizer):  # it steps again: a new iteration began without a backward
+            self._outcomes.flush()
         closure_result = closure()
         # training_step returned None: there was no backward, so nothing to unscale or step (as Lightning).
         without_backward = closure_result is None and model.automatic_optimization
@@ -394,7 +385,7 @@ class AccelPrecision(Precision):
         # bf16/fp32 would. The scan stops at the first gradient, in practice the first parameter.
         no_grads = not model.automatic_optimization and not _has_grads(optimizer)
         if without_backward or no_grads:
-            self._skipped_on_host[key] = False  # not a skipped step: step-interval schedulers move, as in Lightning
+            self._outcomes.not_stepped(optimizer)  # step-interval schedulers move, as in Lightning
         if (
             not without_backward
             and not no_grads
@@ -420,36 +411,19 @@ class AccelPrecision(Precision):
                 raise RuntimeError(self._closure_message(optimizer)) from err
             raise
         trainer = model.trainer
+        at: Where = (trainer.global_step, _compat.train_batch_idx(trainer))
         if scaler is self.scaler and not model.automatic_optimization:
             # Deferred: other optimizers may still unscale gradients of the same backward with the current scale.
-            self._pending_update[key] = (optimizer, trainer.global_step, _compat.train_batch_idx(trainer))
-            self._pending_trainer = trainer
-            self._pending_batch = self._batch_of(model)
-            host = scaler.host_skipped(optimizer)
-            if host is None:  # fused: the flag is on the device until the update
-                self._skipped_on_host.pop(key, None)
-            else:
-                self._skipped_on_host[key] = host
+            self._outcomes.defer(scaler, optimizer, at, self._batch_of(model))
             return output
         scaler.update()
-        self._after_step(scaler, optimizer, trainer)
+        self._outcomes.stepped(scaler, optimizer, is_guard=scaler is not self.scaler, at=at)
         return output
 
     @staticmethod
     def _batch_of(module: pl.LightningModule) -> int:
         trainer = _trainer_of(module)
         return -1 if trainer is None else _compat.train_batches_started(trainer)
-
-    def _flush_update(self) -> None:
-        """Apply the deferred scaler update of the last manual-optimization iteration, then act on its outcome."""
-        if not self._pending_update:
-            return
-        pending, self._pending_update = list(self._pending_update.values()), {}
-        trainer, self._pending_trainer = self._pending_trainer, None
-        assert self.scaler is not None and trainer is not None
-        self.scaler.update()
-        for optimizer, step, batch_idx in pending:
-            self._after_step(self.scaler, optimizer, trainer, at=(step, batch_idx))
 
     @override
     def clip_gradients(
@@ -470,103 +444,20 @@ class AccelPrecision(Precision):
                 scaler.unscale_(optimizer)  # also covers manual optimization's self.clip_gradients(...)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
-    def _after_step(
-        self, scaler: DynamicGradScaler, optimizer: Optimizer, trainer: pl.Trainer, at: tuple[int, int] | None = None
-    ) -> None:
-        """Learn on the host whether the step was skipped when that is free or needed, and act on it.
-
-        ``at`` is the (global step, batch index) of the optimizer step when it is handled later (deferred update).
-        """
-        key = id(optimizer)
-        skipped = scaler.last_step_skipped(optimizer)
-        is_guard = scaler is not self.scaler
-        if isinstance(skipped, Tensor):  # fused optimizer: the flag is on the device
-            needs_host = key in self._scheduled or None in self._scheduled
-            if is_guard and self.on_nonfinite == "raise" and not needs_host:
-                self._lagged_nonfinite.push(skipped, tag=self._where(trainer))
-                return
-            skipped = bool(skipped.item()) if needs_host else None  # the documented sync of these configurations
-        if skipped is not None:
-            self._skipped_on_host[key] = skipped
-        if is_guard:
-            if skipped and self.on_nonfinite == "raise":
-                raise RuntimeError(self._nonfinite_message(self._where(trainer)))
-            return
-        if skipped:
-            self._check_min_scale(trainer, at=at)
-        elif skipped is None and scaler.dynamic:
-            self._steps_since_check += 1
-            if self._steps_since_check >= self.min_scale_check_interval:
-                self._steps_since_check = 0
-                self._check_min_scale(trainer, periodic=True, at=at)
-
-    def _check_min_scale(self, trainer: pl.Trainer, periodic: bool = False, at: tuple[int, int] | None = None) -> None:
-        assert self.scaler is not None
-        scale, hits, first_hit = self.scaler.read_min_scale_state()  # one sync, on overflow steps only
-        if not periodic or hits > self._hits_seen:
-            self._history.append((trainer.global_step if at is None else at[0], scale))
-        if hits <= self._hits_seen:
-            return
-        self._hits_seen = hits
-        message = self._min_scale_message(trainer, scale, first_hit, periodic, at)
-        if self.on_min_scale == "raise":
-            raise RuntimeError(message)
-        if not self._warned_min_scale:
-            self._warned_min_scale = True
-            rank_zero_warn(
-                message + " Continuing because on_min_scale='warn': every overflowing step is skipped at min_scale."
-            )
-
     def _should_skip_scheduler(self, optimizer: Optimizer | None) -> bool:
-        if self._pending_update and (optimizer is None or id(_unwrap(optimizer)) not in self._skipped_on_host):
-            self._flush_update()  # a fused optimizer's skip flag is on the device until the update
-        if optimizer is None:
-            return any(self._skipped_on_host.values())
-        return self._skipped_on_host.get(id(_unwrap(optimizer)), False)
+        return self._outcomes.should_skip_scheduler(None if optimizer is None else _unwrap(optimizer))
 
     # ------------------------------------------------------------------ messages
-
-    def _where(self, trainer: pl.Trainer, at: tuple[int, int] | None = None) -> str:
-        step, batch_idx = at if at is not None else (trainer.global_step, _compat.train_batch_idx(trainer))
-        return f"optimizer step {step} (batch_idx {batch_idx})"
-
-    def _min_scale_message(
-        self, trainer: pl.Trainer, scale: float, first_hit: int, periodic: bool, at: tuple[int, int] | None = None
-    ) -> str:
-        assert self.scaler is not None
-        history = ", ".join(f"step {step}: {value:g}" for step, value in self._history) or "none recorded"
-        detected = (
-            f" (detected at {self._where(trainer, at)}; with a fused optimizer the check runs every"
-            f" {self.min_scale_check_interval} steps)"
-            if periodic
-            else f" at {self._where(trainer, at)}"
-        )
-        return (
-            f"{type(self).__name__}('16-mixed'): the loss scale is at min_scale={self.scaler.min_scale:g} and the"
-            f" gradients still overflow (inf/NaN){detected}; first overflow at the minimum: optimizer step"
-            f" {first_hit}. Every such step is skipped, so training has stopped making progress. Loss scale after"
-            f" recent overflows: {history}. Likely fixes: use AccelPrecision('bf16-mixed') where the hardware"
-            " supports it (fp32's exponent range, no loss scaling); lower the learning rate or add warm-up or"
-            " gradient clipping (diverging weights overflow fp16); check the data and the loss for inf/NaN or"
-            " extreme values. To keep going anyway, lower min_scale or pass on_min_scale='warn'."
-        )
-
-    def _raise_lagged_nonfinite(self, wait: bool = False) -> None:
-        where = self._lagged_nonfinite.first_set(wait=wait)
-        if where is not None:
-            self._lagged_nonfinite.clear()
-            raise RuntimeError(self._nonfinite_message(where))
 
     @override
     def teardown(self) -> None:
         """Report a non-finite step of the last steps that had not reached the host yet (fused optimizers)."""
         try:
             if sys.exc_info()[0] is None:  # never mask an exception that is already ending the fit
-                self._flush_update()
-                self._raise_lagged_nonfinite(wait=True)
+                self._outcomes.flush()
+                self._outcomes.raise_lagged_nonfinite(wait=True)
         finally:
-            self._pending_update, self._pending_trainer = {}, None
-            self._lagged_nonfinite.clear()
+            self._outcomes.reset()
             super().teardown()
 
     def _closure_message(self, optimizer: Optimizer) -> str:
@@ -577,15 +468,6 @@ class AccelPrecision(Precision):
             " step() as in Lightning); '16-mixed' cannot drive such an optimizer (use 'bf16-mixed')."
         )
 
-    def _nonfinite_message(self, where: str) -> str:
-        return (
-            f"{type(self).__name__}({self.precision!r}): non-finite gradients (inf/NaN) at {where}."
-            " The optimizer step was skipped, so the weights are still finite. Likely causes: a diverging loss"
-            " (lower the learning rate, add warm-up or gradient clipping), bad input data (check this batch for"
-            " inf/NaN), or a numerically unsafe operation (log, sqrt or division near 0). To skip such steps and"
-            " keep training, pass on_nonfinite='skip' (they are counted in precision.skipped_steps)."
-        )
-
     # ------------------------------------------------------------------ checkpointing
 
     @override
@@ -594,14 +476,8 @@ class AccelPrecision(Precision):
         scaler = self._active_scaler
         if scaler is None:
             return dict(self._pending_state or {})
-        self._flush_update()
-        return {
-            "precision": self.precision,
-            self._state_key: scaler.state_dict(),
-            "history": [list(entry) for entry in self._history],
-            "min_scale_hits_seen": self._hits_seen,
-            "warned_min_scale": self._warned_min_scale,
-        }
+        self._outcomes.flush()
+        return {"precision": self.precision, self._state_key: scaler.state_dict(), **self._outcomes.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -617,9 +493,7 @@ class AccelPrecision(Precision):
             )
             return
         self._active_scaler.load_state_dict(saved)
-        self._history = deque((tuple(e) for e in state_dict.get("history", [])), maxlen=_HISTORY)  # type: ignore[misc]
-        self._hits_seen = int(state_dict.get("min_scale_hits_seen", 0))
-        self._warned_min_scale = bool(state_dict.get("warned_min_scale", False))
+        self._outcomes.load_state_dict(state_dict)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
