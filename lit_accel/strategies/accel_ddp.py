@@ -10,21 +10,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, count_batchnorm_layers
-from lit_accel.strategies._accumulation import (
-    AccumulationPlan,
-    micro_batch_size_of,
-    plan_accumulation,
-    scale_gradients_,
-)
 from lit_accel.strategies._comm_hooks import (
     CommHook,
     CommHookName,
@@ -35,6 +28,7 @@ from lit_accel.strategies._comm_hooks import (
     resolve_comm_hook,
     validate_comm_hook,
 )
+from lit_accel.strategies._global_batch import GlobalBatch
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
 from lit_accel.utilities._compat import (
     DDP_DEFAULT_LOGGING_SAMPLE_RATE,
@@ -233,9 +227,7 @@ class AccelDDP(DDPStrategy):
             find_unused_parameters=find_unused_parameters,
             **ddp_kwargs,
         )
-        self._global_batch_size = global_batch_size
-        self._micro_batch_size = micro_batch_size
-        self._partial_window = partial_window
+        self._accumulation = GlobalBatch(global_batch_size, micro_batch_size, partial_window, static_graph)
         self._sync_batchnorm = sync_batchnorm
         self._sync_bn_group_size = sync_bn_group_size
         self._sync_bn_implementation = sync_bn_implementation
@@ -243,16 +235,11 @@ class AccelDDP(DDPStrategy):
         self._comm_state = comm_state
         self._powersgd_rank = 1 if powersgd_rank is None else powersgd_rank
         self._powersgd_start_iter = 1000 if powersgd_start_iter is None else powersgd_start_iter
-        self._static_graph = static_graph
         #: All-reduce counters for the ``EfficiencyMonitor`` (``calls``, ``bytes``, ``pop_elapsed_s()``): counted by
         #: the hook wrapper with ``comm_hook``, else derived from all-reduce rounds and DDP's own logging.
         self.comm_stats: SupportsCommStats = CommStats() if comm_hook is not None else DDPLoggingCommStats()
         self._round_counter = self.comm_stats if isinstance(self.comm_stats, DDPLoggingCommStats) else None
         self._reducer_prepared = False  # the last DDP forward prepared the reducer for an all-reduce round
-        self._resolved_micro_batch_size: int | None = micro_batch_size
-        self._user_accumulation = 1
-        self._applied_accumulation: int | None = None
-        self._window_micro_batches = 0
         self._told_no_batchnorm = False
         self._attached_trainer: pl.Trainer | None = None  # set in setup(); the strategy's hooks do not receive it
 
@@ -275,17 +262,17 @@ class AccelDDP(DDPStrategy):
     @property
     def global_batch_size(self) -> int | None:
         """Samples per optimizer step over all devices: the configured value, else micro x accumulation x world."""
-        if self._global_batch_size is not None:
-            return self._global_batch_size
-        trainer = self._attached_trainer
-        if self._resolved_micro_batch_size is None or trainer is None:
+        if self._accumulation.global_batch_size is not None:
+            return self._accumulation.global_batch_size
+        trainer, micro = self._attached_trainer, self._accumulation.resolved_micro_batch_size
+        if micro is None or trainer is None:
             return None
-        return self._resolved_micro_batch_size * trainer.accumulate_grad_batches * self.world_size
+        return micro * trainer.accumulate_grad_batches * self.world_size
 
     @property
     def micro_batch_size(self) -> int | None:
         """Samples per forward/backward on one device, known from fit start (or construction, if given)."""
-        return self._resolved_micro_batch_size
+        return self._accumulation.resolved_micro_batch_size
 
     @property
     def sync_bn_group_size(self) -> int | None:
@@ -307,7 +294,7 @@ class AccelDDP(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self._attached_trainer = trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            self._setup_accumulation(trainer)
+            self._accumulation.at_setup(trainer, self.lightning_module, self.world_size)
             self._setup_layer_sync()
         super().setup(trainer)
 
@@ -348,57 +335,6 @@ class AccelDDP(DDPStrategy):
             set_layer_sync(self, None)
             return
         set_layer_sync(self, AccelSyncBatchNorm(group_size=group_size, implementation=self._sync_bn_implementation))
-
-    def _setup_accumulation(self, trainer: pl.Trainer) -> None:
-        if trainer.accumulate_grad_batches != self._applied_accumulation:
-            self._user_accumulation = trainer.accumulate_grad_batches
-        if self._global_batch_size is not None:
-            schedulers = [cb for cb in trainer.callbacks if isinstance(cb, GradientAccumulationScheduler)]
-            if schedulers:
-                raise ValueError(
-                    f"AccelDDP(global_batch_size={self._global_batch_size}) sets the accumulation itself, which"
-                    " contradicts the GradientAccumulationScheduler callback. Fix: drop one of them."
-                )
-            if self._micro_batch_size is not None:
-                self._apply_plan(
-                    trainer, plan_accumulation(self._global_batch_size, self._micro_batch_size, self.world_size)
-                )
-        self._check_static_graph(trainer.accumulate_grad_batches)
-
-    def _apply_plan(self, trainer: pl.Trainer, plan: AccumulationPlan) -> None:
-        if self._user_accumulation not in (1, plan.accumulate_grad_batches):
-            raise ValueError(
-                f"AccelDDP(global_batch_size={plan.global_batch_size}) gives accumulate_grad_batches="
-                f"{plan.accumulate_grad_batches} ({plan.describe()}), which contradicts Trainer("
-                f"accumulate_grad_batches={self._user_accumulation}). Fix: drop one of them."
-            )
-        module = self.lightning_module
-        if plan.accumulate_grad_batches > 1 and module is not None and not module.automatic_optimization:
-            # Lightning refuses Trainer(accumulate_grad_batches>1) with manual optimization before this point, and its
-            # manual loop ignores the setting: every opt.step() would still see one micro-batch per device.
-            raise ValueError(
-                f"AccelDDP(global_batch_size={plan.global_batch_size}) needs accumulate_grad_batches="
-                f"{plan.accumulate_grad_batches} ({plan.describe()}), but {type(module).__name__} uses manual"
-                " optimization, where Lightning does not accumulate. Fix: use global_batch_size="
-                f"{plan.micro_batch_size * plan.world_size} (micro-batch x devices), or accumulate in your"
-                " training_step (call opt.step() every k batches) and drop global_batch_size."
-            )
-        trainer.accumulate_grad_batches = plan.accumulate_grad_batches
-        self._applied_accumulation = plan.accumulate_grad_batches
-        self._resolved_micro_batch_size = plan.micro_batch_size
-        rank_zero_info(f"AccelDDP: {plan.describe()}")
-
-    def _check_static_graph(self, accumulation: int) -> None:
-        if self._static_graph and accumulation > 1:
-            # Lightning runs the first micro-batch of every window under DDP's no_sync(). With static_graph=True
-            # torch's reducer then fails its "expect_autograd_hooks_" assertion on the very first backward (measured
-            # with torch 2.14 on gloo), and otherwise can stop all-reducing after the first iteration (pytorch PR
-            # #187732, accelerate #3679).
-            raise ValueError(
-                f"AccelDDP(static_graph=True) cannot be combined with gradient accumulation (accumulate_grad_batches="
-                f"{accumulation}): DDP's static graph breaks under the no_sync() used for non-final micro-batches."
-                " Fix: pass static_graph=False, or train without accumulation."
-            )
 
     @override
     def configure_ddp(self) -> None:
@@ -465,53 +401,16 @@ class AccelDDP(DDPStrategy):
     def on_train_start(self) -> None:
         trainer = self._attached_trainer
         assert trainer is not None
-        self._window_micro_batches = 0
-        loader_micro = micro_batch_size_of(trainer.train_dataloader)
-        if self._global_batch_size is None:
-            self._resolved_micro_batch_size = loader_micro
-        elif self._micro_batch_size is not None:
-            if loader_micro is not None and loader_micro != self._micro_batch_size:
-                raise ValueError(
-                    f"AccelDDP(micro_batch_size={self._micro_batch_size}) disagrees with the train dataloader's"
-                    f" batch_size={loader_micro}. Fix: make them equal, or drop micro_batch_size."
-                )
-        else:
-            if loader_micro is None:
-                raise ValueError(
-                    f"AccelDDP(global_batch_size={self._global_batch_size}) needs the per-device micro-batch size,"
-                    " but the train dataloader has no readable batch_size (batch_size or batch_sampler.batch_size)."
-                    " Fix: pass AccelDDP(micro_batch_size=...)."
-                )
-            self._check_same_on_all_ranks(loader_micro)
-            self._apply_plan(trainer, plan_accumulation(self._global_batch_size, loader_micro, self.world_size))
-            if self.lr_scheduler_configs and trainer.accumulate_grad_batches > 1:
-                rank_zero_warn(
-                    "AccelDDP: the accumulation was set at fit start, after configure_optimizers ran; if your LR"
-                    " scheduler used trainer.estimated_stepping_batches it counted every micro-batch as a step. Fix:"
-                    " pass AccelDDP(micro_batch_size=...) so the accumulation is known at setup."
-                )
-        self._check_static_graph(trainer.accumulate_grad_batches)
+        self._accumulation.at_train_start(
+            trainer, self.lightning_module, self.world_size, self.root_device, bool(self.lr_scheduler_configs)
+        )
         super().on_train_start()
-
-    def _check_same_on_all_ranks(self, micro_batch_size: int) -> None:
-        if self.world_size == 1 or not dist.is_initialized():
-            return
-        # One all-reduce at fit start: max over ranks of (m, -m) gives the largest and the smallest.
-        extremes = torch.tensor([micro_batch_size, -micro_batch_size], device=self.root_device)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        largest, smallest = int(extremes[0]), -int(extremes[1])
-        if largest != smallest:
-            raise ValueError(
-                f"AccelDDP(global_batch_size={self._global_batch_size}): the train dataloaders' batch sizes differ"
-                f" between ranks (from {smallest} to {largest}), so no accumulation fits all of them. Fix: give"
-                " every rank the same batch_size."
-            )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         # Micro-batches since the last optimizer step: Lightning starts a window at batch_idx % k == 0 and forces
         # a step on the last batch of the epoch, so only that window can be shorter than k.
-        self._window_micro_batches += 1
+        self._accumulation.window_micro_batches += 1
         if self._round_counter is not None:
             model, module = self.model, self.lightning_module
             # In automatic optimization DDP's forward prepares its reducer for one all-reduce round when grad is
@@ -535,31 +434,14 @@ class AccelDDP(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        trainer = self._attached_trainer
+        trainer, module = self._attached_trainer, self.lightning_module
         accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
-        module = self.lightning_module
         automatic = module is None or module.automatic_optimization
-        if self._partial_window == "mean" and accumulation > 1 and automatic:
-            closure = self._partial_window_closure(closure, optimizer, accumulation)
+        closure = self._accumulation.wrap_closure(closure, optimizer, accumulation, automatic)
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
-            self._window_micro_batches = 0
-
-    def _partial_window_closure(
-        self, closure: Callable[[], Any], optimizer: Optimizer, accumulation: int
-    ) -> Callable[[], Any]:
-        def corrected_closure() -> Any:
-            # Runs the final micro-batch's forward and backward (its all-reduce included), then - before the
-            # precision plugin unscales, clips and steps - rescales a short window from 1/k to 1/m per micro-batch.
-            output = closure()
-            micro_batches = self._window_micro_batches
-            if 0 < micro_batches < accumulation:
-                params = (p for group in optimizer.param_groups for p in group["params"])
-                scale_gradients_(params, accumulation / micro_batches)
-            return output
-
-        return corrected_closure
+            self._accumulation.window_micro_batches = 0
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -1,0 +1,185 @@
+"""``GlobalBatch``: AccelDDP's gradient-accumulation state, from ``global_batch_size`` to exact partial windows.
+
+The strategy calls it at setup (the accumulation is known when ``micro_batch_size`` is given), at fit start (read
+from the train dataloader), on every micro-batch (to count the window) and at every optimizer step (to average a
+short last window over the micro-batches it really had). The arithmetic lives in ``_accumulation.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lit_accel.strategies._accumulation import (
+    AccumulationPlan,
+    micro_batch_size_of,
+    plan_accumulation,
+    scale_gradients_,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+__all__ = ["GlobalBatch"]
+
+
+class GlobalBatch:
+    """The accumulation AccelDDP applies to the Trainer, and the micro-batch count of the current window.
+
+    Args:
+        global_batch_size: samples per optimizer step over all devices, or ``None`` to keep the Trainer's
+            ``accumulate_grad_batches``.
+        micro_batch_size: per-device batch size when known up front (else read from the train dataloader).
+        partial_window: ``"mean"`` (average a short last window over its micro-batches) or ``"lightning"``.
+        static_graph: whether DDP runs with ``static_graph=True`` (refused with accumulation).
+
+    Example::
+
+        accumulation = GlobalBatch(global_batch_size=1024, micro_batch_size=32)
+        accumulation.at_setup(trainer, module, world_size=4)  # trainer.accumulate_grad_batches becomes 8
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        partial_window: Literal["mean", "lightning"] = "mean",
+        static_graph: bool = False,
+    ) -> None:
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.partial_window = partial_window
+        self.static_graph = static_graph
+        #: The per-device micro-batch size once known (construction, setup or fit start).
+        self.resolved_micro_batch_size: int | None = micro_batch_size
+        self._user_accumulation = 1
+        self._applied_accumulation: int | None = None
+        self.window_micro_batches = 0  # micro-batches since the last optimizer step
+
+    # ------------------------------------------------------------------ setup and fit start
+
+    def at_setup(self, trainer: pl.Trainer, module: pl.LightningModule | None, world_size: int) -> None:
+        """Remember the user's accumulation, apply the plan when the micro-batch is known, check static_graph."""
+        if trainer.accumulate_grad_batches != self._applied_accumulation:
+            self._user_accumulation = trainer.accumulate_grad_batches
+        if self.global_batch_size is not None:
+            if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+                raise ValueError(
+                    f"AccelDDP(global_batch_size={self.global_batch_size}) sets the accumulation itself, which"
+                    " contradicts the GradientAccumulationScheduler callback. Fix: drop one of them."
+                )
+            if self.micro_batch_size is not None:
+                plan = plan_accumulation(self.global_batch_size, self.micro_batch_size, world_size)
+                self._apply(trainer, module, plan)
+        self._check_static_graph(trainer.accumulate_grad_batches)
+
+    def at_train_start(
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule | None,
+        world_size: int,
+        device: torch.device,
+        has_lr_schedulers: bool,
+    ) -> None:
+        """Read the micro-batch from the train dataloader and apply the plan (one all-reduce when it is read)."""
+        self.window_micro_batches = 0
+        loader_micro = micro_batch_size_of(trainer.train_dataloader)
+        if self.global_batch_size is None:
+            self.resolved_micro_batch_size = loader_micro
+        elif self.micro_batch_size is not None:
+            if loader_micro is not None and loader_micro != self.micro_batch_size:
+                raise ValueError(
+                    f"AccelDDP(micro_batch_size={self.micro_batch_size}) disagrees with the train dataloader's"
+                    f" batch_size={loader_micro}. Fix: make them equal, or drop micro_batch_size."
+                )
+        else:
+            if loader_micro is None:
+                raise ValueError(
+                    f"AccelDDP(global_batch_size={self.global_batch_size}) needs the per-device micro-batch size,"
+                    " but the train dataloader has no readable batch_size (batch_size or batch_sampler.batch_size)."
+                    " Fix: pass AccelDDP(micro_batch_size=...)."
+                )
+            self._check_same_on_all_ranks(loader_micro, world_size, device)
+            self._apply(trainer, module, plan_accumulation(self.global_batch_size, loader_micro, world_size))
+            if has_lr_schedulers and trainer.accumulate_grad_batches > 1:
+                rank_zero_warn(
+                    "AccelDDP: the accumulation was set at fit start, after configure_optimizers ran; if your LR"
+                    " scheduler used trainer.estimated_stepping_batches it counted every micro-batch as a step. Fix:"
+                    " pass AccelDDP(micro_batch_size=...) so the accumulation is known at setup."
+                )
+        self._check_static_graph(trainer.accumulate_grad_batches)
+
+    def _apply(self, trainer: pl.Trainer, module: pl.LightningModule | None, plan: AccumulationPlan) -> None:
+        if self._user_accumulation not in (1, plan.accumulate_grad_batches):
+            raise ValueError(
+                f"AccelDDP(global_batch_size={plan.global_batch_size}) gives accumulate_grad_batches="
+                f"{plan.accumulate_grad_batches} ({plan.describe()}), which contradicts Trainer("
+                f"accumulate_grad_batches={self._user_accumulation}). Fix: drop one of them."
+            )
+        if plan.accumulate_grad_batches > 1 and module is not None and not module.automatic_optimization:
+            # Lightning refuses Trainer(accumulate_grad_batches>1) with manual optimization before this point, and its
+            # manual loop ignores the setting: every opt.step() would still see one micro-batch per device.
+            raise ValueError(
+                f"AccelDDP(global_batch_size={plan.global_batch_size}) needs accumulate_grad_batches="
+                f"{plan.accumulate_grad_batches} ({plan.describe()}), but {type(module).__name__} uses manual"
+                " optimization, where Lightning does not accumulate. Fix: use global_batch_size="
+                f"{plan.micro_batch_size * plan.world_size} (micro-batch x devices), or accumulate in your"
+                " training_step (call opt.step() every k batches) and drop global_batch_size."
+            )
+        trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        self._applied_accumulation = plan.accumulate_grad_batches
+        self.resolved_micro_batch_size = plan.micro_batch_size
+        rank_zero_info(f"AccelDDP: {plan.describe()}")
+
+    def _check_static_graph(self, accumulation: int) -> None:
+        if self.static_graph and accumulation > 1:
+            # Lightning runs the first micro-batch of every window under DDP's no_sync(). With static_graph=True
+            # torch's reducer then fails its "expect_autograd_hooks_" assertion on the very first backward (measured
+            # with torch 2.14 on gloo), and otherwise can stop all-reducing after the first iteration (pytorch PR
+            # #187732, accelerate #3679).
+            raise ValueError(
+                f"AccelDDP(static_graph=True) cannot be combined with gradient accumulation (accumulate_grad_batches="
+                f"{accumulation}): DDP's static graph breaks under the no_sync() used for non-final micro-batches."
+                " Fix: pass static_graph=False, or train without accumulation."
+            )
+
+    def _check_same_on_all_ranks(self, micro_batch_size: int, world_size: int, device: torch.device) -> None:
+        if world_size == 1 or not dist.is_initialized():
+            return
+        # One all-reduce at fit start: max over ranks of (m, -m) gives the largest and the smallest.
+        extremes = torch.tensor([micro_batch_size, -micro_batch_size], device=device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        largest, smallest = int(extremes[0]), -int(extremes[1])
+        if largest != smallest:
+            raise ValueError(
+                f"AccelDDP(global_batch_size={self.global_batch_size}): the train dataloaders' batch sizes differ"
+                f" between ranks (from {smallest} to {largest}), so no accumulation fits all of them. Fix: give"
+                " every rank the same batch_size."
+            )
+
+    # ------------------------------------------------------------------ per step
+
+    def wrap_closure(
+        self, closure: Callable[[], Any], optimizer: Optimizer, accumulation: int, automatic: bool
+    ) -> Callable[[], Any]:
+        """The closure to step with: with ``"mean"``, one that rescales a short window from 1/k to 1/m."""
+        if self.partial_window != "mean" or accumulation <= 1 or not automatic:
+            return closure
+
+        def corrected_closure() -> Any:
+            # Runs the final micro-batch's forward and backward (its all-reduce included), then - before the
+            # precision plugin unscales, clips and steps - rescales a short window from 1/k to 1/m per micro-batch.
+            output = closure()
+            micro_batches = self.window_micro_batches
+            if 0 < micro_batches < accumulation:
+                params = (p for group in optimizer.param_groups for p in group["params"])
+                scale_gradients_(params, accumulation / micro_batches)
+            return output
+
+        return corrected_closure
