@@ -84,6 +84,9 @@ class EfficiencyMonitor(Callback):
     [2] PaLM (Chowdhery et al. 2022), appendix B: MFU = achieved model FLOP/s / peak FLOP/s. FLOPs per sample are
     counted once by ``torch.utils.flop_counter.FlopCounterMode`` over the first real training micro-batch (matmul
     FLOPs of forward + backward; activation recomputation would be counted too), or given as ``flops_per_sample``.
+    In automatic optimization the count stops before the optimizer step; in manual optimization it spans the whole
+    ``training_step`` (a GAN's passes), so an optimizer that runs matmuls (Shampoo, Muon) is counted too: pass
+    ``flops_per_sample`` there.
     Peaks: :mod:`lit_accel.utilities._peak_flops` (dense datasheet figures), or ``peak_flops``.
     [3] DDP's all-reduce makes every rank's wall-clock window equal, so the spread compares work that excludes
     waiting on peers: data wait + forward (``on_train_batch_start`` to ``on_before_backward``; CUDA events on GPU).

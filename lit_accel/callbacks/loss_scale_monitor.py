@@ -48,8 +48,8 @@ class LossScaleMonitor(Callback):
     values (they agree, since gradients are all-reduced before the scaler sees them) and rank 0's loggers write them.
     Rows are logged with the step Lightning gives ``self.log`` values from the same batch (with one optimizer,
     ``trainer.global_step - 1``, the index of the optimizer step just taken), so the curves line up with the training
-    loss. A batch in which several optimizers step (manual optimization) counts as one step, as for Lightning's
-    logging and for ``AccelPrecision``'s scale update.
+    loss. A batch in which several optimizers step (manual optimization) is one logging step, as for Lightning's own
+    logging; ``skipped_steps`` and ``skip_rate`` count optimizer steps.
 
     ==============================  ====================================================================
     key (default prefix ``amp/``)    value
@@ -71,8 +71,9 @@ class LossScaleMonitor(Callback):
     A well-chosen scale keeps ``underflow_frac`` near 0 and ``overflow_headroom_log2`` small but positive.
 
     Args:
-        logging_interval: log every this many optimizer steps; ``None`` uses ``Trainer(log_every_n_steps=)`` (``0``
-            there disables logging and the threshold warnings; the end-of-fit summary remains).
+        logging_interval: log every this many training steps (batches that stepped, as Lightning counts them for its
+            logging); ``None`` uses ``Trainer(log_every_n_steps=)`` (``0`` there disables logging and the threshold
+            warnings; the end-of-fit summary remains).
         log_key_prefix: prefix of every key, ``"amp/"`` by default.
         track_underflow: log ``underflow_frac`` and ``overflow_headroom_log2``. Computed at logging steps only, in
             ``on_before_optimizer_step``, where gradients are unscaled (or, for fused optimizers that unscale inside
@@ -201,10 +202,9 @@ class LossScaleMonitor(Callback):
         if self._state["window_step"] is None:
             # One read before training (not on the step path): the baseline of a resumed AccelPrecision's counters.
             skipped = self._read().get("skipped", 0.0)
-            steps = batches_that_stepped(trainer)
-            self._state.update(window_step=steps, window_skipped=skipped)
-            if self._state["warn_step"] is None and steps >= self.warmup_steps:
-                self._state.update(warn_step=steps, warn_skipped=skipped)
+            self._state.update(window_step=trainer.global_step, window_skipped=skipped)
+            if self._state["warn_step"] is None and trainer.global_step >= self.warmup_steps:
+                self._state.update(warn_step=trainer.global_step, warn_skipped=skipped)
 
     @override
     def on_train_batch_start(
@@ -231,19 +231,20 @@ class LossScaleMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # An optimizer step happened iff global_step moved (it counts skipped steps too): correct under gradient
-        # accumulation, where most batches do not step. A batch in which several optimizers stepped is one step, as
-        # for the scaler (one update per iteration) and for Lightning's logging.
-        if self._source is None or trainer.global_step == self._batch_start_step:
+        # accumulation, where most batches do not step. Rows follow Lightning's logging cadence, where a batch in
+        # which several optimizers stepped is one step; skip rates count optimizer steps, as skipped_steps does.
+        start, step = self._batch_start_step, trainer.global_step
+        if self._source is None or step == start:
             return
-        step = batches_that_stepped(trainer) + 1  # Lightning increments it after this hook
-        self._state["steps_seen"] += 1
+        self._state["steps_seen"] += step - start  # optimizer steps: the unit of skipped_steps and skip_rate
         self._source.after_step()
         scale = self._source.scale()
         if scale is not None:
             self._update_min(scale)
         interval = self._interval(trainer)
-        if interval and step % interval == 0:
-            self._log(trainer, step)
+        batch_steps = batches_that_stepped(trainer) + 1  # Lightning increments it after this hook
+        if interval and batch_steps % interval == 0:
+            self._log(trainer, step, label=batch_steps - 1)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -311,7 +312,8 @@ class LossScaleMonitor(Callback):
         names = ["scale", "skipped", "growths", "backoffs", "min_scale", "underflow_frac", "headroom"]
         return dict(zip(names, values))
 
-    def _log(self, trainer: pl.Trainer, step: int) -> None:
+    def _log(self, trainer: pl.Trainer, step: int, label: int) -> None:
+        """Log the values after optimizer step ``step`` (cumulative count) at Lightning's logging step ``label``."""
         values = self._read()
         self._underflow = None
         if not values:
@@ -331,7 +333,7 @@ class LossScaleMonitor(Callback):
             metrics[f"{p}overflow_headroom_log2"] = values["headroom"]
         self.last_metrics = metrics
         for logger in trainer.loggers:  # Lightning's loggers write on rank 0 only
-            logger.log_metrics(metrics, step=step - 1)
+            logger.log_metrics(metrics, step=label)
         self._state.update(window_step=step, window_skipped=values["skipped"])
         self._check_thresholds(step, values)
 

@@ -174,6 +174,9 @@ class DynamicGradScaler(torch.amp.GradScaler):
         # (non-fused optimizers), else the 0-d device flag (fused optimizers, which skip on the device).
         self._host_skipped: dict[int, bool] = {}
         self._last_skipped: dict[int, bool | Tensor] = {}
+        # The scale the current gradients were multiplied by: the scale at the last ``scale()``. It differs from the
+        # current scale when an ``update()`` ran between a backward and the step of another optimizer fed by it.
+        self._grad_scale = self._scale_tensor().clone()
 
     @override
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -181,6 +184,29 @@ class DynamicGradScaler(torch.amp.GradScaler):
         # class relies on having them from construction (ddp_spawn pickles the plugin into its workers).
         super().__setstate__(state)
         _compat.init_grad_scaler_tensors(self, self._home)
+        self._grad_scale = self._scale_tensor().clone()
+
+    @override
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` by the current scale, and remember it as the scale of the gradients they produce."""
+        self._grad_scale.copy_(self._scale_tensor())  # one tiny device copy, no sync
+        return super().scale(outputs)
+
+    @override
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the scale they were computed with (torch divides by the current scale).
+
+        The two differ only when the scale was updated after the backward, which happens with several optimizers on
+        one backward (manual optimization: ``opt1.step(); opt2.step()``, each followed by an update).
+        """
+        with _compat.grad_scaler_scale_swapped(self, self._grad_scale):
+            super().unscale_(optimizer)
+
+    @override
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``GradScaler.step``, unscaling (or handing fused kernels) the scale the gradients were computed with."""
+        with _compat.grad_scaler_scale_swapped(self, self._grad_scale):
+            return super().step(optimizer, *args, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -325,6 +351,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
         if not self.dynamic:
             scale = self._static_scale  # a static scale is a setting, not state
         self._scale_tensor().fill_(scale)
+        self._grad_scale.fill_(scale)
         self._init_scale = scale
         for name in _COUNTERS:
             self._counters[name].fill_(int(state_dict.get(name, 0)))

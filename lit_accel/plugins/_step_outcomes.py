@@ -3,8 +3,7 @@
 After ``GradScaler.step`` the plugin must know, cheaply, whether the step was skipped: step-interval LR schedulers
 must not move on a skipped step, a loss scale stuck at ``min_scale`` must stop the run with an explanation, and the
 bf16/fp32 non-finite guard must raise naming the bad step. This module keeps that bookkeeping, the host-side part of
-it (the scaler's own counters stay on the device), together with the per-iteration scale update of manual
-optimization, which is deferred until every optimizer of the iteration has stepped.
+it (the scaler's own counters stay on the device).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def where_text(at: Where) -> str:
 
 
 class StepOutcomes:
-    """Skip flags, min-scale stop, non-finite errors and the deferred update, for one ``AccelPrecision``.
+    """Skip flags, min-scale stop and non-finite errors, for one ``AccelPrecision``.
 
     Args:
         owner: the plugin's class name, for messages.
@@ -73,10 +72,6 @@ class StepOutcomes:
         # Fused optimizers + guard + on_nonfinite="raise": the kernel already skipped the bad step on the device, so
         # the flag is read two steps later, when its copy has reached the host, instead of stalling every step.
         self._lagged_nonfinite = LaggedFlags(lag=1)
-        # Manual optimization, fp16: optimizers stepped since the last scaler update, with where they stepped.
-        self._pending: dict[int, tuple[Optimizer, Where]] = {}
-        self._pending_scaler: DynamicGradScaler | None = None
-        self.pending_batch = -1  # the training batch (counted over the run) the pending steps belong to
 
     # ------------------------------------------------------------------ per step
 
@@ -113,36 +108,8 @@ class StepOutcomes:
         """The optimizer had nothing to step (no backward, no gradients): not a skip, schedulers move as usual."""
         self.skipped_on_host[id(optimizer)] = False
 
-    def defer(self, scaler: DynamicGradScaler, optimizer: Optimizer, at: Where, batch: int) -> None:
-        """Record a manual-optimization fp16 step whose ``scaler.update()`` waits for the end of the iteration."""
-        key = id(optimizer)
-        self._pending[key] = (optimizer, at)
-        self._pending_scaler, self.pending_batch = scaler, batch
-        host = scaler.host_skipped(optimizer)
-        if host is None:  # fused: the flag is on the device until the update
-            self.skipped_on_host.pop(key, None)
-        else:
-            self.skipped_on_host[key] = host
-
-    def is_pending(self, optimizer: Optimizer | None = None) -> bool:
-        """Whether an update is deferred (for ``optimizer``, when given)."""
-        return bool(self._pending) and (optimizer is None or id(optimizer) in self._pending)
-
-    def flush(self) -> None:
-        """Apply the deferred scaler update of the last manual-optimization iteration, then act on its outcome."""
-        if not self._pending:
-            return
-        pending, self._pending = list(self._pending.values()), {}
-        scaler, self._pending_scaler = self._pending_scaler, None
-        assert scaler is not None
-        scaler.update()
-        for optimizer, at in pending:
-            self.stepped(scaler, optimizer, is_guard=False, at=at)
-
     def should_skip_scheduler(self, optimizer: Optimizer | None) -> bool:
         """Whether the last step of ``optimizer`` (any optimizer for ``None``) was skipped."""
-        if self._pending and (optimizer is None or id(optimizer) not in self.skipped_on_host):
-            self.flush()  # a fused optimizer's skip flag is on the device until the update
         if optimizer is None:
             return any(self.skipped_on_host.values())
         return self.skipped_on_host.get(id(optimizer), False)
@@ -155,8 +122,7 @@ class StepOutcomes:
             raise RuntimeError(self.nonfinite_message(at))
 
     def reset(self) -> None:
-        """Forget what only this fit needs (deferred steps, queued flags)."""
-        self._pending, self._pending_scaler = {}, None
+        """Forget what only this fit needs (queued flags)."""
         self._lagged_nonfinite.clear()
 
     # ------------------------------------------------------------------ min scale

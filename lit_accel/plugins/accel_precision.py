@@ -72,13 +72,13 @@ class AccelPrecision(Precision):
     ``step()`` complains about a missing closure.
 
     **Several optimizers per batch** (manual optimization: ``manual_backward(loss); opt1.step(); opt2.step()``, or a
-    GAN's two passes). As torch's AMP recipe asks, the fp16 scale is updated once per iteration, not after each
-    optimizer: in manual optimization the update is deferred to the first backward of the next batch (or the next
-    step of an optimizer that already stepped, or a read of the scaler's state), so every optimizer unscales its
-    gradients with the scale they were computed with, and ``hysteresis``/``growth_interval``/``skipped_steps`` count
-    training batches. An overflow in one optimizer's gradients skips only that optimizer's step (torch's behaviour).
-    Automatic optimization updates right after the step. An optimizer with no gradients (its parameters took no part
-    in the batch's backward) is stepped plainly, outside the scaler.
+    GAN's two passes). The scale is updated after every optimizer step, as in Lightning, so ``hysteresis``,
+    ``growth_interval`` and ``skipped_steps`` count optimizer steps. Unlike Lightning (and torch's ``GradScaler``),
+    every optimizer unscales its gradients with the scale they were computed with (the scale at the last backward),
+    not with a scale an earlier optimizer's update has already changed: Lightning's ``MixedPrecision`` halves or
+    doubles the second optimizer's gradients whenever the first step moved the scale. An overflow in one optimizer's
+    gradients skips only that optimizer's step. An optimizer with no gradients (its parameters took no part in the
+    batch's backward) is stepped plainly, outside the scaler.
 
     **Gradient clipping** acts on unscaled gradients. For fused optimizers (``AdamW(fused=True)`` etc.), which
     unscale inside their kernel, the gradients are unscaled first only when clipping is requested (one extra pass
@@ -215,10 +215,30 @@ class AccelPrecision(Precision):
         """What an overflow at ``min_scale`` does: ``"raise"`` or ``"warn"``."""
         return self._outcomes.on_min_scale
 
+    @on_min_scale.setter
+    def on_min_scale(self, value: Literal["raise", "warn"]) -> None:
+        check_choice(type(self).__name__, "on_min_scale", value, ("raise", "warn"), "'raise' (the default)")
+        self._outcomes.on_min_scale = value
+
     @property
     def on_nonfinite(self) -> Literal["raise", "skip", "off"]:
         """What the bf16/fp32 guard does with non-finite gradients: ``"raise"``, ``"skip"`` or ``"off"``."""
         return self._outcomes.on_nonfinite
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, value: Literal["raise", "skip", "off"]) -> None:
+        check_choice(type(self).__name__, "on_nonfinite", value, ("raise", "skip", "off"), "'raise' (the default)")
+        self._outcomes.on_nonfinite = value
+
+    @property
+    def min_scale_check_interval(self) -> int:
+        """With fused optimizers, the min-scale counter is read every this many optimizer steps."""
+        return self._outcomes.min_scale_check_interval
+
+    @min_scale_check_interval.setter
+    def min_scale_check_interval(self, value: int) -> None:
+        check_int(type(self).__name__, "min_scale_check_interval", value, example=100)
+        self._outcomes.min_scale_check_interval = value
 
     @property
     def device(self) -> torch.device | None:
@@ -231,7 +251,6 @@ class AccelPrecision(Precision):
         scaler = self._active_scaler
         if scaler is None:
             return int((self._pending_state or {}).get(self._state_key, {}).get("skipped_steps", 0))
-        self._outcomes.flush()
         return int(scaler.counter("skipped_steps").item())
 
     @property
@@ -242,7 +261,6 @@ class AccelPrecision(Precision):
         if self.scaler is None:
             pending = (self._pending_state or {}).get("scaler") or {}
             return float(pending.get("scale", self._scaler_kwargs["init_scale"]))
-        self._outcomes.flush()
         return self.scaler.get_scale()
 
     def scaler_stats(self) -> ScalerStats:
@@ -259,7 +277,6 @@ class AccelPrecision(Precision):
                 f"{type(self).__name__}.scaler_stats(): the scaler is created when the Trainer sets the plugin up"
                 " (or at construction with device='cpu'/'cuda'); call it during or after fit()."
             )
-        self._outcomes.flush()
         return scaler.stats()
 
     # ------------------------------------------------------------------ setup
@@ -359,8 +376,6 @@ class AccelPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None and self.precision == "16-mixed":
-            if self._outcomes.is_pending() and self._batch_of(module) != self._outcomes.pending_batch:
-                self._outcomes.flush()  # the first backward of a new batch: apply the last batch's deferred update
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
@@ -375,8 +390,6 @@ class AccelPrecision(Precision):
         if scaler is None or unguarded or isinstance(optimizer, LBFGS):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._outcomes.raise_lagged_nonfinite()
-        if self._outcomes.is_pending(optimizer):  # it steps again: a new iteration began without a backward
-            self._outcomes.flush()
         closure_result = closure()
         # training_step returned None: there was no backward, so nothing to unscale or step (as Lightning).
         without_backward = closure_result is None and model.automatic_optimization
@@ -412,18 +425,9 @@ class AccelPrecision(Precision):
             raise
         trainer = model.trainer
         at: Where = (trainer.global_step, _compat.train_batch_idx(trainer))
-        if scaler is self.scaler and not model.automatic_optimization:
-            # Deferred: other optimizers may still unscale gradients of the same backward with the current scale.
-            self._outcomes.defer(scaler, optimizer, at, self._batch_of(model))
-            return output
         scaler.update()
         self._outcomes.stepped(scaler, optimizer, is_guard=scaler is not self.scaler, at=at)
         return output
-
-    @staticmethod
-    def _batch_of(module: pl.LightningModule) -> int:
-        trainer = _trainer_of(module)
-        return -1 if trainer is None else _compat.train_batches_started(trainer)
 
     @override
     def clip_gradients(
@@ -454,7 +458,6 @@ class AccelPrecision(Precision):
         """Report a non-finite step of the last steps that had not reached the host yet (fused optimizers)."""
         try:
             if sys.exc_info()[0] is None:  # never mask an exception that is already ending the fit
-                self._outcomes.flush()
                 self._outcomes.raise_lagged_nonfinite(wait=True)
         finally:
             self._outcomes.reset()
@@ -476,7 +479,6 @@ class AccelPrecision(Precision):
         scaler = self._active_scaler
         if scaler is None:
             return dict(self._pending_state or {})
-        self._outcomes.flush()
         return {"precision": self.precision, self._state_key: scaler.state_dict(), **self._outcomes.state_dict()}
 
     @override

@@ -6,6 +6,8 @@ one of them fails loudly in CI instead of silently changing behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +24,20 @@ def grad_scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
     such attribute). The public ``get_scale()`` syncs.
     """
     return scaler._scale if scaler.is_enabled() else None
+
+
+@contextmanager
+def grad_scaler_scale_swapped(scaler: torch.amp.GradScaler, scale: torch.Tensor) -> Iterator[None]:
+    """Let ``GradScaler``'s own ``unscale_``/``step`` use ``scale`` instead of its current one (``GradScaler._scale``).
+
+    Both read ``self._scale`` for the divisor (``unscale_``) or the scale handed to fused kernels (``step``).
+    """
+    previous = scaler._scale
+    scaler._scale = scale
+    try:
+        yield
+    finally:
+        scaler._scale = previous
 
 
 def grad_scaler_grads_unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
@@ -127,11 +143,6 @@ def optimizer_takes_grad_scaler(optimizer: object) -> bool:
 def train_batch_idx(trainer: object) -> int:
     """The index of the current training batch within its epoch (``fit_loop.epoch_loop.batch_idx``)."""
     return trainer.fit_loop.epoch_loop.batch_idx  # type: ignore[attr-defined]
-
-
-def train_batches_started(trainer: object) -> int:
-    """Training batches fetched since the run began, over all epochs (``batch_progress.total.ready``)."""
-    return trainer.fit_loop.epoch_loop.batch_progress.total.ready  # type: ignore[attr-defined]
 
 
 def batches_that_stepped(trainer: object) -> int:

@@ -4,9 +4,10 @@
 the pipeline that keeps the GPU busy. Here each flag is copied with ``non_blocking=True`` into pinned host memory
 and a CUDA event is recorded after the copy. A flag is looked at once ``lag`` newer flags were pushed after it, by
 then its copy has long landed (the event is only waited for if it has not, which bounds how far the host runs ahead
-rather than stalling the device). The answer arrives ``lag`` steps late, and at the same step on every rank and on
-every device type: under DDP all ranks see the same (all-reduced) gradients, so they raise together instead of one
-rank leaving the others waiting in the next collective. On CPU the copy is synchronous.
+rather than stalling the device). A caller that checks before pushing, as ``AccelPrecision`` does at the start of each
+step, learns of step ``t`` at step ``t + lag + 1``, at the same step on every rank and on every device type: under
+DDP all ranks see the same (all-reduced) gradients, so they raise together instead of one rank leaving the others
+waiting in the next collective. On CPU the copy is synchronous.
 """
 
 from __future__ import annotations

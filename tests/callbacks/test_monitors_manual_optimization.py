@@ -99,10 +99,11 @@ def test_loss_scale_monitor_logs_one_row_per_logging_step_of_batches_with_two_op
     _, logger = _fit(TwoPassGAN(overflow={2}), [monitor], plugins=[plugin], log_every_n_steps=4)
     assert logger.steps_with("amp/") == logger.steps_with("loss_b") == [3, 7]
     rows = [m for _, m in logger.rows if "amp/skipped_steps" in m]
-    # Batch 2 overflowed in both passes: one scale update per batch, so one skipped step and one back-off.
-    assert [r["amp/skipped_steps"] for r in rows] == [1, 1]
+    # Batch 2 overflowed in both passes: two skipped optimizer steps (each backed off) of the 8 in the first window.
+    assert [r["amp/skipped_steps"] for r in rows] == [2, 2]
     assert [r["amp/skip_rate"] for r in rows] == [0.25, 0.0]
-    assert [r["amp/loss_scale"] for r in rows] == [2.0**7, 2.0**7]
+    assert [r["amp/scale_backoffs"] for r in rows] == [2, 2]
+    assert [r["amp/loss_scale"] for r in rows] == [2.0**6, 2.0**6]
 
 
 def test_log_every_n_steps_zero_logs_nothing_and_still_summarises():

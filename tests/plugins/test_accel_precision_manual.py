@@ -1,11 +1,13 @@
 """AccelPrecision under manual optimization: several optimizers, idle optimizers, closure optimizers, empty batches.
 
-Each test compares against the arithmetic torch's AMP recipe prescribes (one scale update per iteration, every
-optimizer unscaling with the scale its gradients were computed with), and would fail on Lightning's
-``MixedPrecision``, which updates the scale after every optimizer step.
+The scale is updated after every optimizer step (as in Lightning), but every optimizer unscales its gradients with the
+scale they were computed with: Lightning's ``MixedPrecision`` (and a bare ``torch.amp.GradScaler`` used the same way)
+unscales the second optimizer of a backward with the scale the first one's update left, halving or doubling it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import lightning.pytorch as pl
 import pytest
@@ -66,18 +68,47 @@ def _fit(model, plugin, steps, batches=8, **kwargs):
 
 
 def test_several_optimizers_on_one_backward_unscale_with_the_scale_of_their_gradients():
-    # growth_interval=1: the scale doubles after every clean iteration. Updating after the first optimizer's step
-    # would halve the second optimizer's gradient (Lightning's MixedPrecision does).
+    # growth_interval=1: the scale doubles after every clean optimizer step, so it has moved by the time the second
+    # optimizer unscales. Lightning's MixedPrecision would hand it half its gradient (4.0).
     model = TwoOptimizers()
     plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1)
     _fit(model, plugin, steps=2 * 4)  # global_step counts both optimizers' steps: 4 iterations
     assert model.seen == [(name, 8.0) for _ in range(4) for name in "ab"]  # 2 samples x 4 ones, unscaled
     stats = plugin.scaler_stats()
-    assert stats.scale.item() == 2.0**8  # one growth per iteration, not per optimizer step
-    assert stats.growths.item() == 4
+    assert stats.scale.item() == 2.0**12  # one update per optimizer step
+    assert stats.growths.item() == 8
 
 
-def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once_per_iteration():
+def test_fused_optimizers_get_the_scale_of_their_gradients_too():
+    # Fused kernels unscale inside step() with the scale GradScaler hands them: it must be the gradients' scale.
+    lr = 2.0**-4
+    model = TwoOptimizers(lr=lr, optimizer=functools.partial(torch.optim.SGD, fused=True))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _fit(model, AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1), steps=2 * 4)
+    for name, param in model.named_parameters():  # d(sum of outputs)/dw = 2 per element, 4 steps of lr * 2
+        assert torch.equal(param.detach(), start[name] - 4 * lr * 2), name
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_one_optimizer_stepping_twice_in_a_batch_sees_its_exact_gradients(clip):
+    # Truncated backprop / inner loops: backward + (clip) + step twice inside one training_step.
+    class Twice(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            opt_a, _ = self.optimizers()
+            for _ in range(2):
+                self.manual_backward(self.a(x).float().sum())
+                if clip:
+                    self.clip_gradients(opt_a, gradient_clip_val=100.0, gradient_clip_algorithm="norm")
+                opt_a.step()
+                opt_a.zero_grad()
+
+    model = Twice()
+    _fit(model, AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1), steps=2 * 3)
+    assert model.seen == [("a", 8.0)] * 6
+
+
+def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once():
     model = TwoOptimizers(overflow_a={1}, lr=0.1)
     plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=100)
     before_a = None
@@ -100,24 +131,32 @@ def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once_per
     assert stats.backoffs.item() == 1
 
 
-def test_hysteresis_counts_iterations_not_optimizer_steps():
-    # One bad iteration with hysteresis=2 must not back off, though both optimizers overflowed in it.
+def test_hysteresis_counts_optimizer_steps():
+    # Both optimizers overflow in one iteration: two consecutive overflowing steps, so hysteresis=2 backs off once.
     model = TwoOptimizers(overflow_both={1})
     plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=100, hysteresis=2)
     _fit(model, plugin, steps=2 * 3)
     stats = plugin.scaler_stats()
-    assert stats.scale.item() == 2.0**4
-    assert stats.skipped_steps.item() == 1 and stats.backoffs.item() == 0
+    assert stats.scale.item() == 2.0**3
+    assert stats.skipped_steps.item() == 2 and stats.backoffs.item() == 1
 
 
-def test_deferred_update_is_applied_before_a_checkpoint_and_at_the_end_of_fit(tmp_path):
-    model = TwoOptimizers()
-    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1)
-    trainer = _fit(model, plugin, steps=2 * 3)
-    assert plugin.loss_scale == 2.0**7
-    trainer.save_checkpoint(tmp_path / "last.ckpt")
-    state = torch.load(tmp_path / "last.ckpt", weights_only=True)["AccelPrecision"]
-    assert state["scaler"]["scale"] == 2.0**7 and state["scaler"]["growths"] == 3
+def test_reading_the_scale_between_two_optimizers_changes_nothing():
+    # A callback may read the scaler at any time (here before every optimizer step): the gradients stay exact.
+    class Reader(pl.Callback):
+        def __init__(self):
+            self.scales = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.scales.append(trainer.precision_plugin.loss_scale)
+            trainer.precision_plugin.scaler_stats()
+
+    model, reader = TwoOptimizers(), Reader()
+    _fit(
+        model, AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1), steps=2 * 3, callbacks=[reader]
+    )
+    assert model.seen == [(name, 8.0) for _ in range(3) for name in "ab"]
+    assert reader.scales == [2.0 ** (4 + i) for i in range(6)]
 
 
 class IdleOptimizer(pl.LightningModule):

@@ -105,9 +105,7 @@ class _StepProbe(pl.Callback):
         self.rows = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.rows.append(
-            (trainer.global_step, _compat.batches_that_stepped(trainer), _compat.train_batches_started(trainer))
-        )
+        self.rows.append((trainer.global_step, _compat.batches_that_stepped(trainer)))
 
 
 def test_batch_counters_under_accumulation_across_epochs():
@@ -117,5 +115,18 @@ def test_batch_counters_under_accumulation_across_epochs():
         **small_trainer_kwargs(max_epochs=2, max_steps=-1, accumulate_grad_batches=2, callbacks=[probe])
     )
     trainer.fit(BNModel(), make_loader(make_dataset(24), 8))
-    # (global_step, batches that stepped before this batch's increment, batches fetched so far)
-    assert probe.rows == [(0, 0, 1), (1, 0, 2), (2, 1, 3), (2, 2, 4), (3, 2, 5), (4, 3, 6)]
+    # (global_step, batches that stepped before this batch's increment)
+    assert probe.rows == [(0, 0), (1, 0), (2, 1), (2, 2), (3, 2), (4, 3)]
+
+
+def test_grad_scaler_scale_swapped_is_what_unscale_divides_by_and_is_restored():
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.full((2,), 8.0)
+    opt = torch.optim.SGD([param], lr=0.1)
+    _compat.init_grad_scaler_tensors(scaler, torch.device("cpu"))
+    current = _compat.grad_scaler_scale(scaler)
+    with _compat.grad_scaler_scale_swapped(scaler, torch.tensor(2.0)):
+        scaler.unscale_(opt)
+    assert torch.equal(param.grad, torch.full((2,), 4.0))  # divided by the swapped-in 2, not by 4
+    assert _compat.grad_scaler_scale(scaler) is current and scaler.get_scale() == 4.0
