@@ -9,42 +9,17 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_accel import EfficiencyMonitor
 from lit_accel.utilities._timing import IntervalTimer, synchronize
-from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
+from tests.helpers import BNModel, CaptureLogger, make_dataset, make_loader, run_distributed, small_trainer_kwargs
 
 # BNModel(batchnorm=False) is Linear(8, 16) -> ReLU -> Linear(16, 4). Training FLOPs per sample (2 per MAC): forward
 # 2*(8*16 + 16*4), weight gradients the same again, input gradient of the second layer only 2*16*4.
 MLP_FLOPS_PER_SAMPLE = 2 * (8 * 16 + 16 * 4) * 2 + 2 * 16 * 4
-
-
-class _Capture(Logger):
-    """An in-memory logger: (step, metrics) of every log_metrics call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def perf(self) -> list[tuple[int | None, dict[str, float]]]:
-        return [(s, m) for s, m in self.rows if any(k.startswith("perf/") for k in m)]
 
 
 class _FakeClock:
@@ -88,7 +63,7 @@ def test_window_arithmetic_under_accumulation_4_is_exact(tmp_path):
     data wait; a validation run (8 s + 0.25 s data) sits in the middle of step 2's window and must be excluded.
     """
     clock = _FakeClock()
-    capture = _Capture()
+    capture = CaptureLogger()
     monitor = EfficiencyMonitor(
         warmup_steps=1,
         clock=clock,
@@ -113,7 +88,7 @@ def test_window_arithmetic_under_accumulation_4_is_exact(tmp_path):
     assert trainer.global_step == 3
 
     assert monitor.flops_per_sample == MLP_FLOPS_PER_SAMPLE
-    perf = capture.perf()
+    perf = capture.with_prefix("perf/")
     # Steps 2 and 3 are logged, at the step value Lightning uses for their training_step metrics (1 and 2).
     assert [step for step, _ in perf] == [1, 2]
     first, tail = perf[0][1], perf[1][1]
@@ -160,7 +135,7 @@ def test_scaling_efficiency_and_the_tail_flushed_at_the_end(tmp_path):
     The batch size comes back as a tensor here, the path for user functions that count on device.
     """
     clock = _FakeClock()
-    capture = _Capture()
+    capture = CaptureLogger()
     monitor = EfficiencyMonitor(
         warmup_steps=1,
         clock=clock,
@@ -171,7 +146,7 @@ def test_scaling_efficiency_and_the_tail_flushed_at_the_end(tmp_path):
     )
     trainer = pl.Trainer(**small_trainer_kwargs(max_steps=5, log_every_n_steps=3, logger=capture, callbacks=[monitor]))
     trainer.fit(_TimedModel(clock), make_loader(make_dataset(40), 4))
-    perf = capture.perf()
+    perf = capture.with_prefix("perf/")
     assert [step for step, _ in perf] == [2, 4]  # steps 2-3 at the cadence, steps 4-5 at the end of fit
     for _, metrics in perf:
         assert metrics["perf/step_time_ms"] == 1000.0
@@ -280,7 +255,7 @@ def test_per_step_hooks_do_no_tensor_work_outside_logging_steps():
     monitor = _ProbedMonitor(warmup_steps=1, flops_per_sample=1.0, print_summary=False)
     trainer = pl.Trainer(
         **small_trainer_kwargs(
-            max_steps=9, accumulate_grad_batches=2, log_every_n_steps=4, logger=_Capture(), callbacks=[monitor]
+            max_steps=9, accumulate_grad_batches=2, log_every_n_steps=4, logger=CaptureLogger(), callbacks=[monitor]
         )
     )
     trainer.fit(BNModel(), make_loader(make_dataset(96), 4))

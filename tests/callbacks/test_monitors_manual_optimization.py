@@ -6,44 +6,18 @@ A batch in which several optimizers step is one training step for the monitors, 
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_accel import AccelPrecision, EfficiencyMonitor, LossScaleMonitor
-from tests.helpers import small_trainer_kwargs
+from tests.helpers import CaptureLogger, small_trainer_kwargs
 
 INF = float("inf")
 # Two passes per batch, as a GAN's discriminator and generator updates: a = Linear(8, 16) and b = Linear(8, 4), each
 # on the input, whose gradient is not needed. Per sample (2 FLOPs per MAC): forward + weight gradient of each.
 TWO_PASS_FLOPS_PER_SAMPLE = 2 * 2 * (8 * 16) + 2 * 2 * (8 * 4)
-
-
-class _Capture(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "capture"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def steps_with(self, prefix: str) -> list[int | None]:
-        return [s for s, m in self.rows if any(k.startswith(prefix) for k in m)]
 
 
 class TwoPassGAN(pl.LightningModule):
@@ -75,7 +49,7 @@ class TwoPassGAN(pl.LightningModule):
 
 
 def _fit(model, callbacks, batches=8, batch_size=4, **kwargs):
-    logger = _Capture()
+    logger = CaptureLogger()
     kwargs = small_trainer_kwargs(max_epochs=1, max_steps=-1, logger=logger, callbacks=callbacks, **kwargs)
     trainer = pl.Trainer(**kwargs)
     trainer.fit(model, DataLoader(TensorDataset(torch.randn(batches * batch_size, 8)), batch_size=batch_size))
