@@ -60,6 +60,37 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+# Trainer arguments every benchmark fit shares: nothing but the timed training steps runs.
+QUIET_TRAINER: dict[str, Any] = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
+
+
+def classifier(net: Any, make_optimizer: Callable[[Any], Any]) -> Any:
+    """A LightningModule training ``net`` (as ``.net``) with cross-entropy and ``make_optimizer(parameters)``."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return make_optimizer(self.parameters())
+
+    return Classifier()
+
+
 # ---------------------------------------------------------------------------------------------------- arguments
 
 

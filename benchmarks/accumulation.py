@@ -136,20 +136,8 @@ def run_trainer(arm: str, k: int, args: Any, loader: DataLoader, world_size: int
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self._mark(trainer)
 
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = build_net(args.model)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=args.lr)
-
     clock = StepClock()
-    module = Classifier()
+    module = _common.classifier(build_net(args.model), lambda params: torch.optim.AdamW(params, lr=args.lr))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -158,12 +146,7 @@ def run_trainer(arm: str, k: int, args: Any, loader: DataLoader, world_size: int
         callbacks=[clock],
         max_steps=args.warmup + args.steps,
         use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **_common.QUIET_TRAINER,
     )
     trainer.fit(module, train_dataloaders=loader)
     return {"stamps": clock.stamps, "counts": clock.counts, "params": _flat_params(module.net)}

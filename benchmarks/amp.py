@@ -93,18 +93,6 @@ def run_arm(arm: str, args: Any, batches: _common.RepeatBatch, device: torch.dev
                 _sync(device)
                 self.end = time.perf_counter()
 
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = build_net(args)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=device.type == "cuda")
-
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -116,14 +104,11 @@ def run_arm(arm: str, args: Any, batches: _common.RepeatBatch, device: torch.dev
         plugins=[plugin],
         callbacks=[clock],
         max_steps=args.warmup + args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **_common.QUIET_TRAINER,
     )
-    module = Classifier()
+    module = _common.classifier(
+        build_net(args), lambda params: torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    )
     trainer.fit(module, train_dataloaders=batches)
     out = {"images_per_s": args.batch * args.steps / (clock.end - clock.start)}
     if device.type == "cuda":

@@ -80,12 +80,7 @@ def _trainer(ctx: dict[str, Any], **kwargs: Any) -> Any:
     base = dict(
         accelerator="cuda" if ctx["cuda"] else "cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **_common.QUIET_TRAINER,
     )
     base.update(kwargs)
     return pl.Trainer(**base)
@@ -419,20 +414,6 @@ def check_vit(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
             self.end = time.perf_counter()
 
     def run(precision: str, batch_size: int) -> dict[str, Any]:
-        import lightning.pytorch as pl
-
-        class Classifier(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.net = build()
-
-            def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-                x, y = batch
-                return F.cross_entropy(self.net(x), y)
-
-            def configure_optimizers(self) -> torch.optim.Optimizer:
-                return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
-
         g = torch.Generator().manual_seed(0)
         x = torch.randn(batch_size, 3, spec["img_size"], spec["img_size"], generator=g).to(device)
         y = torch.randint(0, 1000, (batch_size,), generator=g).to(device)
@@ -443,7 +424,8 @@ def check_vit(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         trainer = _trainer(
             ctx, plugins=[AccelPrecision(precision)], callbacks=[clock, monitor], max_steps=warmup + steps
         )
-        trainer.fit(Classifier(), train_dataloaders=_common.RepeatBatch((x, y), warmup + steps))
+        module = _common.classifier(build(), lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True))
+        trainer.fit(module, train_dataloaders=_common.RepeatBatch((x, y), warmup + steps))
         ips = batch_size * steps / (clock.end - clock.start)
         matmul = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}[precision]
         peak = ctx["peak"] or lookup_peak_flops(device_name, matmul)

@@ -126,18 +126,6 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
             self.stamps.append(time.perf_counter())
             self.cpu.append(time.process_time())
 
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = build_net(args.model)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _optimizer(self.parameters(), args.lr)
-
     clock = StepClock()
     callbacks: list[Callback] = [clock]
     if arm == "lit_accel":
@@ -156,14 +144,10 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
         max_steps=args.warmup + args.steps + 1,
         log_every_n_steps=args.log_every,
         use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **_common.QUIET_TRAINER,
     )
-    trainer.fit(Classifier(), train_dataloaders=loader)
+    module = _common.classifier(build_net(args.model), lambda params: _optimizer(params, args.lr))
+    trainer.fit(module, train_dataloaders=loader)
     return clock.stamps, clock.cpu
 
 
