@@ -80,11 +80,12 @@ def run_raw(arm: str, k: int, args: Any, loader: DataLoader) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    from lit_accel.strategies._comm_hooks import CommStats, counting_comm_hook
+    from lit_accel.strategies._comm_stats import HookCommStats
+    from lit_accel.strategies._ddp_hooks import counting_comm_hook
 
     net = build_net(args.model)
     model = DistributedDataParallel(net, gradient_as_bucket_view=True)
-    stats = CommStats()
+    stats = HookCommStats()
     model.register_comm_hook(None, counting_comm_hook(default_hooks.allreduce_hook, "allreduce", stats))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     stamps, counts = [], []

@@ -2,7 +2,8 @@
 
 Four checks, each a row (or a few) of the final table:
 
-1. **fp16 loss scaling works on CUDA.** ``AccelPrecision("16-mixed", growth_interval=4)`` trains a small regression
+1. **fp16 loss scaling works on CUDA.** ``AccelPrecision("16-mixed", scaler=DynamicGradScaler(growth_interval=4))``
+   trains a small regression
    MLP for 24 steps with an overflow injected at step 6 (the loss times inf), once with ``AdamW`` and once with
    ``AdamW(fused=True)`` (which skips on the device): exactly that step is skipped, the weights are bit-identical
    across it, the scale, growths and back-offs equal an independent simulation of the policy (torch's rule:
@@ -136,7 +137,7 @@ def simulate_scale(steps: int, overflow_steps: set[int], init: float, growth_int
 def check_loss_scaling(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     from lightning.pytorch.callbacks import Callback
 
-    from lit_accel import AccelPrecision, LossScaleMonitor
+    from lit_accel import AccelPrecision, DynamicGradScaler, LossScaleMonitor
 
     # A low initial scale, so that the only overflow is the injected one (a run starting at 2**16 first backs off a
     # few times on its own while it calibrates; that is normal, but would blur what this check shows).
@@ -155,7 +156,7 @@ def check_loss_scaling(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
 
         snap = Snapshot()
         monitor = LossScaleMonitor(logging_interval=1, warmup_steps=0, skip_rate_threshold=None)
-        plugin = AccelPrecision("16-mixed", init_scale=init, growth_interval=interval)
+        plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=init, growth_interval=interval))
         module = _mlp_module(ctx, fused=fused, lr=1e-2, inject_at=inject)
         trainer = _trainer(ctx, plugins=[plugin], callbacks=[snap, monitor], max_steps=steps)
         trainer.fit(module, train_dataloaders=_common.RepeatBatch(_regression_batch(ctx), steps))

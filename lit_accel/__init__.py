@@ -14,10 +14,28 @@ Example::
     )
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from lit_accel.callbacks import EfficiencyMonitor, LossScaleMonitor
-from lit_accel.plugins import AccelPrecision
-from lit_accel.strategies import AccelDDP
+from lit_accel.meters import EfficiencyMeter, LossScaleMeter
+from lit_accel.plugins import AccelPrecision, AccelSyncBatchNorm, DynamicGradScaler, SyncBatchNorm
+from lit_accel.protocols import CommStats, CommStatsProvider, ScalerStats, ScalerStatsProvider, SkippedStepRecord
+from lit_accel.strategies import AccelDDP, AccelParts
 
-__all__ = ["AccelDDP", "AccelPrecision", "EfficiencyMonitor", "LossScaleMonitor"]
+__all__ = [
+    "AccelDDP",
+    "AccelParts",
+    "AccelPrecision",
+    "AccelSyncBatchNorm",
+    "CommStats",
+    "CommStatsProvider",
+    "DynamicGradScaler",
+    "EfficiencyMeter",
+    "EfficiencyMonitor",
+    "LossScaleMeter",
+    "LossScaleMonitor",
+    "ScalerStats",
+    "ScalerStatsProvider",
+    "SkippedStepRecord",
+    "SyncBatchNorm",
+]

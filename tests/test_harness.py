@@ -32,8 +32,12 @@ def _hang(rank: int, world_size: int) -> None:
     time.sleep(60)
 
 
-def test_public_api_lists_the_four_names():
-    assert sorted(lit_accel.__all__) == ["AccelDDP", "AccelPrecision", "EfficiencyMonitor", "LossScaleMonitor"]
+def test_public_api_is_reexported_from_the_package():
+    core = {"AccelDDP", "AccelPrecision", "DynamicGradScaler", "EfficiencyMonitor", "LossScaleMonitor"}
+    assert core <= set(lit_accel.__all__) and sorted(lit_accel.__all__) == list(lit_accel.__all__)
+    for name in lit_accel.__all__:
+        obj = getattr(lit_accel, name)
+        assert obj.__module__.startswith("lit_accel.") and not obj.__module__.split(".")[-1].startswith("_"), name
     assert isinstance(lit_accel.__version__, str)
 
 

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from torch.utils.data import DataLoader
 
-from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+from lit_accel import AccelDDP, AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
 
@@ -143,15 +143,15 @@ FIT_ROWS: dict[str, tuple[Callable[[int], dict[str, Any]], Row]] = {
         Row(ValueError, r"static_graph=True\)", r"accumulate_grad_batches=4", r"Fix: pass static_graph=False"),
     ),
     "accel_ddp-sync_bn_group_size_not_dividing_the_world": (
-        lambda rank: _config(rank, AccelDDP(sync_bn_group_size=3)),
-        Row(ValueError, r"sync_bn_group_size=3\)", r"Allowed: \[1, 2\]", r"Fix: pass e.g. the devices per node"),
+        lambda rank: _config(rank, AccelDDP(sync_batchnorm=AccelSyncBatchNorm(group_size=3))),
+        Row(ValueError, r"group_size=3\)\)", r"Allowed: \[1, 2\]", r"Fix: pass e.g. the devices per node"),
     ),
     "accel_ddp-sync_batchnorm_contradicts_trainer": (
         lambda rank: _config(rank, AccelDDP(sync_batchnorm=False), sync_batchnorm=True),
         Row(ValueError, r"sync_batchnorm=False\)", r"contradicts Trainer\(sync_batchnorm=True\)", r"Fix: drop one"),
     ),
     "accel_ddp-torch_sync_batchnorm_on_cpu": (
-        lambda rank: _config(rank, AccelDDP(sync_bn_implementation="torch")),
+        lambda rank: _config(rank, AccelDDP(sync_batchnorm=AccelSyncBatchNorm(implementation="torch"))),
         Row(ValueError, r"implementation='torch'\)", r"only runs on CUDA/XPU/HPU", r"Use implementation='portable'"),
     ),
     "accel_ddp-nccl_on_cpu": (
@@ -160,7 +160,7 @@ FIT_ROWS: dict[str, tuple[Callable[[int], dict[str, Any]], Row]] = {
     ),
     "accel_precision-fp16_with_lbfgs": (
         lambda rank: _config(rank, model=_ModelWith(torch.optim.LBFGS), plugins=[AccelPrecision("16-mixed")]),
-        Row(TypeError, r"AccelPrecision\('16-mixed'\) cannot drive torch.optim.LBFGS", r"'bf16-mixed'", r"Use "),
+        Row(TypeError, r"AccelPrecision\('16-mixed'\) cannot drive torch.optim.LBFGS", r"'bf16-mixed'", r"Fix: use"),
     ),
     "accel_precision-fp16_clipping_with_self_unscaling_optimizer": (
         lambda rank: _config(
@@ -169,7 +169,9 @@ FIT_ROWS: dict[str, tuple[Callable[[int], dict[str, Any]], Row]] = {
             plugins=[AccelPrecision("16-mixed")],
             gradient_clip_val=1.0,
         ),
-        Row(ValueError, r"clip value 1.0\) with _LegacyScalingSGD", r"fused=True", r"Use a torch optimizer"),
+        Row(
+            ValueError, r"gradient_clip_val=1.0\) with _LegacyScalingSGD", r"fused=True", r"Fix: use a torch optimizer"
+        ),
     ),
     "accel_precision-device_differs_from_trainer": (
         lambda rank: _config(rank, plugins=[AccelPrecision("16-mixed", device="cuda")]),
@@ -252,9 +254,9 @@ CONSTRUCTION_ROWS: dict[str, tuple[Callable[[], Any], Row]] = {
         lambda: AccelDDP(comm_hook="fp8"),
         Row(ValueError, r"comm_hook='fp8'\)", r"expected one of 'fp16', 'bf16', 'powersgd'", r"Fix: pass e.g."),
     ),
-    "accel_ddp-powersgd_settings_without_powersgd": (
-        lambda: AccelDDP(comm_hook="bf16", powersgd_rank=2),
-        Row(ValueError, r"powersgd_rank=2", r"only apply to comm_hook='powersgd'", r"Fix: pass comm_hook='powersgd'"),
+    "accel_ddp-model_averaging_without_post_local_sgd": (
+        lambda: AccelDDP(comm_hook="bf16", model_averaging_period=2),
+        Row(ValueError, r"model_averaging_period=2\)", r"only applies to post-local SGD", r"Fix: pass comm_state="),
     ),
     "accel_ddp-non_positive_global_batch": (
         lambda: AccelDDP(global_batch_size=0),
@@ -264,25 +266,34 @@ CONSTRUCTION_ROWS: dict[str, tuple[Callable[[], Any], Row]] = {
         lambda: AccelDDP(micro_batch_size=8),
         Row(ValueError, r"micro_batch_size=8\)", r"only serves global_batch_size", r"Fix: pass global_batch_size"),
     ),
-    "accel_ddp-lightning_comm_hook_argument": (
-        lambda: AccelDDP(ddp_comm_hook=lambda state, bucket: None),
-        Row(TypeError, r"ddp_comm_hook=\.\.\.\)", r"comm_hook= \(a name or a callable\)", r"Fix: pass those"),
+    "accel_ddp-both_spellings_of_one_argument": (
+        lambda: AccelDDP(ddp_comm_hook=lambda state, bucket: None, comm_hook="bf16"),
+        Row(
+            ValueError,
+            r"ddp_comm_hook=\.\.\., comm_hook=\.\.\.\)",
+            r"two values for the same argument",
+            r"Fix: pass one",
+        ),
     ),
     "accel_precision-unknown_precision": (
         lambda: AccelPrecision("fp8"),  # type: ignore[arg-type]
         Row(ValueError, r"precision='fp8'\)", r"'16-mixed', 'bf16-mixed', '32-true'", r"Fix: pass precision="),
     ),
-    "accel_precision-growth_factor_not_above_one": (
-        lambda: AccelPrecision("16-mixed", growth_factor=1.0),
-        Row(ValueError, r"growth_factor=1.0\)", r"must be > 1", r"usual value is 2.0.*dynamic=False"),
+    "dynamic_grad_scaler-growth_factor_not_above_one": (
+        lambda: DynamicGradScaler(growth_factor=1.0),
+        Row(ValueError, r"growth_factor=1.0\)", r"must be > 1", r"Fix: pass growth_factor=2.0.*dynamic=False"),
     ),
-    "accel_precision-min_scale_above_init_scale": (
-        lambda: AccelPrecision("16-mixed", min_scale=2.0**20),
-        Row(ValueError, r"min_scale=1048576.0, init_scale=65536.0\)", r"min_scale must be <= init_scale", r"lower"),
+    "dynamic_grad_scaler-min_scale_above_init_scale": (
+        lambda: DynamicGradScaler(min_scale=2.0**20),
+        Row(ValueError, r"min_scale=1048576.0, init_scale=65536.0\)", r"min_scale must be <= init_scale", r"Fix: pass"),
     ),
-    "accel_precision-zero_hysteresis": (
-        lambda: AccelPrecision("16-mixed", hysteresis=0),
-        Row(ValueError, r"hysteresis=0\)", r"expected an int >= 1", r"such as 1 \(the default\)"),
+    "dynamic_grad_scaler-zero_hysteresis": (
+        lambda: DynamicGradScaler(hysteresis=0),
+        Row(ValueError, r"hysteresis=0\)", r"expected an int >= 1", r"Fix: pass e.g. hysteresis=2"),
+    ),
+    "accel_precision-scaler_with_bf16": (
+        lambda: AccelPrecision("bf16-mixed", scaler=DynamicGradScaler()),
+        Row(ValueError, r"'bf16-mixed', scaler=DynamicGradScaler\(...\)\)", r"only '16-mixed' scales", r"Fix: drop"),
     ),
     "loss_scale_monitor-negative_logging_interval": (
         lambda: LossScaleMonitor(logging_interval=-1),

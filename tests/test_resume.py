@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+from lit_accel import AccelDDP, AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor
 from tests.helpers import BNModel, params_of, run_distributed, small_trainer_kwargs
 
 WORLD_SIZE = 2
@@ -112,7 +112,9 @@ def _loader(rank: int, resumable: bool) -> DataLoader:
 def _fit(rank: int, tmp: Path, ckpt_path: Path | None = None, resumable: bool = True) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = _Model()
-    precision = AccelPrecision("16-mixed", init_scale=2.0**10, hysteresis=2, growth_interval=2)
+    precision = AccelPrecision(
+        "16-mixed", scaler=DynamicGradScaler(init_scale=2.0**10, hysteresis=2, growth_interval=2)
+    )
     loss_scale = LossScaleMonitor(logging_interval=1)
     efficiency = EfficiencyMonitor(warmup_steps=1, peak_flops=1e12, print_summary=False)
     counter = _CountSteps()
@@ -201,7 +203,7 @@ def test_straight_run_exercises_what_the_resume_must_restore(runs):
         straight = rank_runs["straight"]
         assert straight["accumulation"] == 2 and straight["global_step"] == MAX_STEPS
         assert straight["batches_run"] == 3 * BATCHES_PER_EPOCH
-        scaler = straight["precision"]["scaler"]
+        scaler = straight["precision"]  # the scaler's entries, under torch's keys
         # steps 0-1 clean: growth to 2**11; 2, 3 overflow: back-off at the second; 4-5 clean: growth; 7 overflows
         assert (scaler["skipped_steps"], scaler["backoffs"], scaler["growths"]) == (3, 1, 2)
         assert scaler["scale"] == 2.0**11 and scaler["overflow_streak"] == 0 and scaler["_growth_tracker"] == 1

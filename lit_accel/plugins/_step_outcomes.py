@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from lit_accel.utilities._lagged_flags import LaggedFlags
 
 if TYPE_CHECKING:
-    from lit_accel.plugins._grad_scaler import DynamicGradScaler
+    from lit_accel.plugins.grad_scaler import DynamicGradScaler
 
 __all__ = ["StepOutcomes", "Where"]
 
@@ -139,37 +139,25 @@ class StepOutcomes:
             raise RuntimeError(message)
         if not self.warned_min_scale:
             self.warned_min_scale = True
-            rank_zero_warn(
-                message + " Continuing because on_min_scale='warn': every overflowing step is skipped at min_scale."
-            )
+            rank_zero_warn(message + " Continuing (on_min_scale='warn').")
 
     # ------------------------------------------------------------------ messages
 
     def min_scale_message(self, min_scale: float, first_hit: int, at: Where, periodic: bool) -> str:
         history = ", ".join(f"step {step}: {value:g}" for step, value in self.history) or "none recorded"
-        detected = (
-            f" (detected at {where_text(at)}; with a fused optimizer the check runs every"
-            f" {self.min_scale_check_interval} steps)"
-            if periodic
-            else f" at {where_text(at)}"
-        )
+        checked = f" (fused optimizer: checked every {self.min_scale_check_interval} steps)" if periodic else ""
         return (
-            f"{self.owner}('16-mixed'): the loss scale is at min_scale={min_scale:g} and the gradients still overflow"
-            f" (inf/NaN){detected}; first overflow at the minimum: optimizer step {first_hit}. Every such step is"
-            f" skipped, so training has stopped making progress. Loss scale after recent overflows: {history}."
-            " Likely fixes: use AccelPrecision('bf16-mixed') where the hardware supports it (fp32's exponent range,"
-            " no loss scaling); lower the learning rate or add warm-up or gradient clipping (diverging weights"
-            " overflow fp16); check the data and the loss for inf/NaN or extreme values. To keep going anyway, lower"
-            " min_scale or pass on_min_scale='warn'."
+            f"{self.owner}('16-mixed'): the loss scale is at min_scale={min_scale:g} and gradients still overflow at"
+            f" {where_text(at)}{checked}, so every step is skipped (first overflow at the minimum: optimizer step"
+            f" {first_hit}; scale after recent overflows: {history}). Fix: use 'bf16-mixed', lower the learning rate"
+            " or add warm-up/clipping, check the data for inf/NaN, or lower min_scale or pass on_min_scale='warn'."
         )
 
     def nonfinite_message(self, at: Where) -> str:
         return (
-            f"{self.owner}({self.precision!r}): non-finite gradients (inf/NaN) at {where_text(at)}."
-            " The optimizer step was skipped, so the weights are still finite. Likely causes: a diverging loss"
-            " (lower the learning rate, add warm-up or gradient clipping), bad input data (check this batch for"
-            " inf/NaN), or a numerically unsafe operation (log, sqrt or division near 0). To skip such steps and"
-            " keep training, pass on_nonfinite='skip' (they are counted in precision.skipped_steps)."
+            f"{self.owner}({self.precision!r}): non-finite gradients (inf/NaN) at {where_text(at)}; the step was"
+            " skipped, the weights are finite. Fix: lower the learning rate or add warm-up/clipping, check this batch"
+            " for inf/NaN, or pass on_nonfinite='skip'."
         )
 
     # ------------------------------------------------------------------ checkpointing

@@ -1,11 +1,15 @@
-"""Training strategies: :class:`AccelDDP`, registered with Lightning as ``"accel_ddp"`` and its launch variants."""
+"""Training strategies: :class:`AccelDDP`, registered as ``"accel_ddp"`` and its launch variants.
+
+:class:`AccelParts` is the mixin that gives a strategy lit_accel's shared parts (``docs/extending.md``).
+"""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lit_accel.strategies.accel_ddp import AccelDDP
+from lit_accel.strategies.parts import AccelParts
 
 # At import, like Lightning's own strategies, so Trainer(strategy="accel_ddp") works once lit_accel is imported.
-# Idempotent: AccelDDP.register_strategies skips names already present (re-imports, reloads).
+# Idempotent: register_strategies skips names already present (re-imports, reloads).
 AccelDDP.register_strategies(StrategyRegistry)
 
-__all__ = ["AccelDDP"]
+__all__ = ["AccelDDP", "AccelParts"]

@@ -1,9 +1,8 @@
-"""Gradient accumulation for AccelDDP: the global-batch arithmetic and the partial-window correction.
+"""The global-batch arithmetic shared by lit_accel's strategies, pure Python so it is property-tested without processes.
 
 The rule (Goyal et al., 2017, "Accurate, Large Minibatch SGD", section 2): the global batch is
 ``micro-batch per device x accumulation steps x devices``, and every micro-batch loss is divided by the number of
-accumulation steps so that the accumulated gradient is the mean over the global batch. Everything here is pure
-Python except :func:`scale_gradients_`, so the arithmetic is property-tested without processes.
+accumulation steps so that the accumulated gradient is the mean over the global batch.
 """
 
 from __future__ import annotations
@@ -13,15 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 __all__ = [
     "AccumulationPlan",
     "micro_batch_size_of",
     "nearest_global_batch_sizes",
     "nearest_micro_batch_sizes",
     "plan_accumulation",
-    "scale_gradients_",
 ]
 
 
@@ -131,8 +127,7 @@ def plan_accumulation(
     raise ValueError(
         f"{owner}(global_batch_size={global_batch_size}) cannot be split into {micro_batch_size} samples per device"
         f" x {world_size} device{'s' if world_size > 1 else ''} x a whole number of accumulation steps: {reason}."
-        f" Fix: use global_batch_size="
-        f"{globals_}{micro_fix}."
+        f" Fix: use global_batch_size={globals_}{micro_fix}."
     )
 
 
@@ -157,16 +152,3 @@ def micro_batch_size_of(dataloaders: Any) -> int | None:
             return None
         sizes.add(size)
     return sizes.pop() if len(sizes) == 1 else None
-
-
-def scale_gradients_(params: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every existing gradient by ``factor`` in place, with one fused ``_foreach_mul_``.
-
-    Used once per epoch, on the partial last accumulation window: Lightning divided each of its ``m`` micro-batch
-    losses by the configured ``k``, so multiplying by ``k / m`` makes the update the mean over the micro-batches the
-    window really had (Lightning issue #19987). The factor is linear, so it commutes with DDP's all-reduce mean and
-    with a GradScaler's scale (an inf or NaN stays one).
-    """
-    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
-    if grads:
-        torch._foreach_mul_(grads, factor)

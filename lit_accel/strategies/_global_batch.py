@@ -1,8 +1,9 @@
-"""``GlobalBatch``: AccelDDP's gradient-accumulation state, from ``global_batch_size`` to exact partial windows.
+"""``GlobalBatch``: a strategy's gradient accumulation, from ``global_batch_size`` to exact partial windows.
 
-The strategy calls it at setup (the accumulation is known when ``micro_batch_size`` is given), at fit start (read
+A strategy calls it at setup (the accumulation is known when ``micro_batch_size`` is given), at fit start (read
 from the train dataloader), on every micro-batch (to count the window) and at every optimizer step (to average a
-short last window over the micro-batches it really had). The arithmetic lives in ``_accumulation.py``.
+short last window over the micro-batches it really had). The arithmetic lives in ``_accumulation.py``; nothing here
+depends on how gradients are reduced, so DDP and FSDP share it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lit_accel.strategies._accumulation import (
-    AccumulationPlan,
-    micro_batch_size_of,
-    plan_accumulation,
-    scale_gradients_,
-)
+from lit_accel.strategies._accumulation import AccumulationPlan, micro_batch_size_of, plan_accumulation
+from lit_accel.utilities._validation import check_choice, check_int
+from lit_accel.utilities._workarounds import rescale_partial_window_
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -30,32 +28,44 @@ __all__ = ["GlobalBatch"]
 
 
 class GlobalBatch:
-    """The accumulation AccelDDP applies to the Trainer, and the micro-batch count of the current window.
+    """The accumulation a strategy applies to the Trainer, and the micro-batch count of the current window.
 
     Args:
+        owner: the strategy's class name, for messages.
         global_batch_size: samples per optimizer step over all devices, or ``None`` to keep the Trainer's
             ``accumulate_grad_batches``.
         micro_batch_size: per-device batch size when known up front (else read from the train dataloader).
         partial_window: ``"mean"`` (average a short last window over its micro-batches) or ``"lightning"``.
-        static_graph: whether DDP runs with ``static_graph=True`` (refused with accumulation).
+
+    Raises:
+        ValueError: ``micro_batch_size`` without ``global_batch_size``, or an unknown ``partial_window``.
+        TypeError: a size that is not an int.
 
     Example::
 
-        accumulation = GlobalBatch(global_batch_size=1024, micro_batch_size=32)
+        accumulation = GlobalBatch("AccelDDP", global_batch_size=1024, micro_batch_size=32)
         accumulation.at_setup(trainer, module, world_size=4)  # trainer.accumulate_grad_batches becomes 8
     """
 
     def __init__(
         self,
+        owner: str,
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
-        static_graph: bool = False,
     ) -> None:
+        check_int(owner, "global_batch_size", global_batch_size, allow_none=True, example=1024)
+        check_int(owner, "micro_batch_size", micro_batch_size, allow_none=True, example=32)
+        check_choice(owner, "partial_window", partial_window, ("mean", "lightning"), "'mean'")
+        if micro_batch_size is not None and global_batch_size is None:
+            raise ValueError(
+                f"{owner}(micro_batch_size={micro_batch_size}) only serves global_batch_size, which is None. Fix: pass"
+                " global_batch_size, or drop micro_batch_size (the dataloader's batch size is used)."
+            )
+        self.owner = owner
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.partial_window = partial_window
-        self.static_graph = static_graph
         #: The per-device micro-batch size once known (construction, setup or fit start).
         self.resolved_micro_batch_size: int | None = micro_batch_size
         self._user_accumulation = 1
@@ -65,19 +75,18 @@ class GlobalBatch:
     # ------------------------------------------------------------------ setup and fit start
 
     def at_setup(self, trainer: pl.Trainer, module: pl.LightningModule | None, world_size: int) -> None:
-        """Remember the user's accumulation, apply the plan when the micro-batch is known, check static_graph."""
+        """Remember the user's accumulation, and apply the plan when the micro-batch is already known."""
         if trainer.accumulate_grad_batches != self._applied_accumulation:
             self._user_accumulation = trainer.accumulate_grad_batches
-        if self.global_batch_size is not None:
-            if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-                raise ValueError(
-                    f"AccelDDP(global_batch_size={self.global_batch_size}) sets the accumulation itself, which"
-                    " contradicts the GradientAccumulationScheduler callback. Fix: drop one of them."
-                )
-            if self.micro_batch_size is not None:
-                plan = plan_accumulation(self.global_batch_size, self.micro_batch_size, world_size)
-                self._apply(trainer, module, plan)
-        self._check_static_graph(trainer.accumulate_grad_batches)
+        if self.global_batch_size is None:
+            return
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError(
+                f"{self.owner}(global_batch_size={self.global_batch_size}) sets the accumulation itself, which"
+                " contradicts the GradientAccumulationScheduler callback. Fix: drop one of them."
+            )
+        if self.micro_batch_size is not None:
+            self._apply(trainer, module, plan_accumulation(self.global_batch_size, self.micro_batch_size, world_size))
 
     def at_train_start(
         self,
@@ -92,62 +101,47 @@ class GlobalBatch:
         loader_micro = micro_batch_size_of(trainer.train_dataloader)
         if self.global_batch_size is None:
             self.resolved_micro_batch_size = loader_micro
-        elif self.micro_batch_size is not None:
+            return
+        if self.micro_batch_size is not None:
             if loader_micro is not None and loader_micro != self.micro_batch_size:
                 raise ValueError(
-                    f"AccelDDP(micro_batch_size={self.micro_batch_size}) disagrees with the train dataloader's"
+                    f"{self.owner}(micro_batch_size={self.micro_batch_size}) disagrees with the train dataloader's"
                     f" batch_size={loader_micro}. Fix: make them equal, or drop micro_batch_size."
                 )
-        else:
-            if loader_micro is None:
-                raise ValueError(
-                    f"AccelDDP(global_batch_size={self.global_batch_size}) needs the per-device micro-batch size,"
-                    " but the train dataloader has no readable batch_size (batch_size or batch_sampler.batch_size)."
-                    " Fix: pass AccelDDP(micro_batch_size=...)."
-                )
-            self._check_same_on_all_ranks(loader_micro, world_size, device)
-            self._apply(trainer, module, plan_accumulation(self.global_batch_size, loader_micro, world_size))
-            if has_lr_schedulers and trainer.accumulate_grad_batches > 1:
-                rank_zero_warn(
-                    "AccelDDP: the accumulation was set at fit start, after configure_optimizers ran; if your LR"
-                    " scheduler used trainer.estimated_stepping_batches it counted every micro-batch as a step. Fix:"
-                    " pass AccelDDP(micro_batch_size=...) so the accumulation is known at setup."
-                )
-        self._check_static_graph(trainer.accumulate_grad_batches)
+            return
+        if loader_micro is None:
+            raise ValueError(
+                f"{self.owner}(global_batch_size={self.global_batch_size}): the train dataloader has no readable"
+                f" batch_size (batch_size or batch_sampler.batch_size). Fix: pass {self.owner}(micro_batch_size=...)."
+            )
+        self._check_same_on_all_ranks(loader_micro, world_size, device)
+        self._apply(trainer, module, plan_accumulation(self.global_batch_size, loader_micro, world_size))
+        if has_lr_schedulers and trainer.accumulate_grad_batches > 1:
+            rank_zero_warn(
+                f"{self.owner}: the accumulation was set at fit start, after configure_optimizers, so"
+                " trainer.estimated_stepping_batches there counted every micro-batch. Fix: pass micro_batch_size=..."
+            )
 
     def _apply(self, trainer: pl.Trainer, module: pl.LightningModule | None, plan: AccumulationPlan) -> None:
         if self._user_accumulation not in (1, plan.accumulate_grad_batches):
             raise ValueError(
-                f"AccelDDP(global_batch_size={plan.global_batch_size}) gives accumulate_grad_batches="
-                f"{plan.accumulate_grad_batches} ({plan.describe()}), which contradicts Trainer("
-                f"accumulate_grad_batches={self._user_accumulation}). Fix: drop one of them."
+                f"{self.owner}(global_batch_size={plan.global_batch_size}) gives accumulate_grad_batches="
+                f"{plan.accumulate_grad_batches} ({plan.describe()}), not Trainer(accumulate_grad_batches="
+                f"{self._user_accumulation}). Fix: drop one of them."
             )
         if plan.accumulate_grad_batches > 1 and module is not None and not module.automatic_optimization:
-            # Lightning refuses Trainer(accumulate_grad_batches>1) with manual optimization before this point, and its
-            # manual loop ignores the setting: every opt.step() would still see one micro-batch per device.
+            # Lightning refuses accumulate_grad_batches > 1 with manual optimization before this point, and its manual
+            # loop ignores the setting: every opt.step() would still see one micro-batch per device.
             raise ValueError(
-                f"AccelDDP(global_batch_size={plan.global_batch_size}) needs accumulate_grad_batches="
-                f"{plan.accumulate_grad_batches} ({plan.describe()}), but {type(module).__name__} uses manual"
-                " optimization, where Lightning does not accumulate. Fix: use global_batch_size="
-                f"{plan.micro_batch_size * plan.world_size} (micro-batch x devices), or accumulate in your"
-                " training_step (call opt.step() every k batches) and drop global_batch_size."
+                f"{self.owner}(global_batch_size={plan.global_batch_size}) needs accumulate_grad_batches="
+                f"{plan.accumulate_grad_batches}, but {type(module).__name__} uses manual optimization, where"
+                f" Lightning does not accumulate. Fix: use global_batch_size={plan.micro_batch_size * plan.world_size},"
+                " or accumulate in your training_step."
             )
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
         self._applied_accumulation = plan.accumulate_grad_batches
         self.resolved_micro_batch_size = plan.micro_batch_size
-        rank_zero_info(f"AccelDDP: {plan.describe()}")
-
-    def _check_static_graph(self, accumulation: int) -> None:
-        if self.static_graph and accumulation > 1:
-            # Lightning runs the first micro-batch of every window under DDP's no_sync(). With static_graph=True
-            # torch's reducer then fails its "expect_autograd_hooks_" assertion on the very first backward (measured
-            # with torch 2.14 on gloo), and otherwise can stop all-reducing after the first iteration (pytorch PR
-            # #187732, accelerate #3679).
-            raise ValueError(
-                f"AccelDDP(static_graph=True) cannot be combined with gradient accumulation (accumulate_grad_batches="
-                f"{accumulation}): DDP's static graph breaks under the no_sync() used for non-final micro-batches."
-                " Fix: pass static_graph=False, or train without accumulation."
-            )
+        rank_zero_info(f"{self.owner}: {plan.describe()}")
 
     def _check_same_on_all_ranks(self, micro_batch_size: int, world_size: int, device: torch.device) -> None:
         if world_size == 1 or not dist.is_initialized():
@@ -158,10 +152,17 @@ class GlobalBatch:
         largest, smallest = int(extremes[0]), -int(extremes[1])
         if largest != smallest:
             raise ValueError(
-                f"AccelDDP(global_batch_size={self.global_batch_size}): the train dataloaders' batch sizes differ"
-                f" between ranks (from {smallest} to {largest}), so no accumulation fits all of them. Fix: give"
+                f"{self.owner}(global_batch_size={self.global_batch_size}): the train dataloaders' batch sizes"
+                f" differ between ranks (from {smallest} to {largest}), so no accumulation fits all of them. Fix: give"
                 " every rank the same batch_size."
             )
+
+    def global_size(self, accumulation: int, world_size: int) -> int | None:
+        """Samples per optimizer step over all devices: the configured value, else micro x accumulation x world."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        micro = self.resolved_micro_batch_size
+        return None if micro is None else micro * accumulation * world_size
 
     # ------------------------------------------------------------------ per step
 
@@ -173,13 +174,11 @@ class GlobalBatch:
             return closure
 
         def corrected_closure() -> Any:
-            # Runs the final micro-batch's forward and backward (its all-reduce included), then - before the
+            # Runs the final micro-batch's forward and backward (its gradient sync included), then - before the
             # precision plugin unscales, clips and steps - rescales a short window from 1/k to 1/m per micro-batch.
             output = closure()
-            micro_batches = self.window_micro_batches
-            if 0 < micro_batches < accumulation:
-                params = (p for group in optimizer.param_groups for p in group["params"])
-                scale_gradients_(params, accumulation / micro_batches)
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            rescale_partial_window_(params, accumulation, self.window_micro_batches)
             return output
 
         return corrected_closure

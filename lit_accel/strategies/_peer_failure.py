@@ -55,7 +55,7 @@ def peer_failure_note(world_size: int, children: list[tuple[int, subprocess.Pope
         wait_s: total seconds to wait for the children to be reaped.
     """
     head = (
-        f"AccelDDP: this collective failed because another process of the {world_size}-process job stopped; this"
+        f"lit_accel: this collective failed because another process of the {world_size}-process job stopped; this"
         " error is a consequence, not the cause."
     )
     deadline = time.monotonic() + wait_s

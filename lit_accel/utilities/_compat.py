@@ -1,6 +1,6 @@
 """The one place where lit_accel touches private attributes of Lightning and torch.
 
-Every accessor here is exercised by ``tests/utilities/test_compat.py``, so a Lightning or torch release that moves
+Every accessor here is exercised by ``tests/utilities/test_compat_*.py``, so a Lightning or torch release that moves
 one of them fails loudly in CI instead of silently changing behaviour.
 """
 
@@ -110,6 +110,16 @@ def reset_grad_scaler_iteration(scaler: torch.amp.GradScaler) -> None:
     scaler._per_optimizer_states.clear()
 
 
+def reset_grad_scaler_tensors(scaler: torch.amp.GradScaler, device_type: str) -> None:
+    """Drop the scale and growth-tracker tensors and set the device type torch checks ``update(new_scale)`` against.
+
+    The next :func:`init_grad_scaler_tensors` recreates them from ``_init_scale``/``_init_growth_tracker``.
+    """
+    scaler._scale = None
+    scaler._growth_tracker = None
+    scaler._device = device_type
+
+
 def init_grad_scaler_tensors(scaler: torch.amp.GradScaler, device: torch.device) -> None:
     """Create the scale and growth-tracker tensors on ``device`` now instead of at the first ``scale()`` call."""
     if scaler._scale is None:
@@ -155,24 +165,21 @@ def batches_that_stepped(trainer: object) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped  # type: ignore[attr-defined]
 
 
-# --- Resume at an epoch boundary (tests: tests/utilities/test_compat_reliability.py) ---
+# --- Resume at an epoch boundary and the launcher (tests: tests/utilities/test_compat_reliability.py) ---
 
 
-def resume_restored_finished_epoch(trainer: object) -> bool:
-    """After ``fit_loop.load_state_dict``: if the checkpoint was taken after an epoch's last batch, start the next one.
+def clear_finished_epoch_restart(trainer: object) -> bool:
+    """If the restored fit loop is "restarting" a finished epoch, clear that flag (``_Loop.restarting``'s base setter).
 
-    Lightning 2.6 keeps the fit loop "restarting" after any load when ``max_steps`` is set (``FitLoop.restarting``'s
-    setter ORs in ``_iteration_based_training()``). Restored from a checkpoint taken once the epoch's last batch had
-    completed (``ModelCheckpoint`` at ``on_train_epoch_end``, or ``trainer.save_checkpoint`` after ``fit`` stopped at
-    ``max_steps`` on an epoch's last batch), the restarting epoch loop is not ``done`` (``_is_validation_done`` is
-    False while restarting without validation) and trains one spurious batch: index ``num_batches`` with the data
-    of batch 0 (and, in the second case, that is all of the next epoch). With ``max_epochs`` only, Lightning takes
-    its non-restarting path (``RESUMED_ON_EPOCH_END``), which is exact; this clears the flag so that
-    ``max_steps`` runs take the same path. Related upstream: Lightning issue #19815.
+    Lightning 2.6 keeps the fit loop restarting after any load when ``max_steps`` is set (``FitLoop.restarting``'s
+    setter ORs in ``_iteration_based_training()``). A finished epoch is one whose batches all ran and whose last
+    batch completed (``epoch_progress``/``batch_progress`` counters); a state that is not (mid-epoch,
+    mid-validation, saved at ``on_train_batch_end``) is left alone. The base setter clears this loop and its
+    children, as loading with ``max_epochs`` does; ``_loaded_from_state_dict`` stays set, so ``FitLoop.reset()``
+    still completes the saved epoch. Used by ``_workarounds.resume_finished_epoch``.
 
     Returns:
-        True when the flag was cleared. A state that is not a finished epoch (mid-epoch, mid-validation, saved at
-        ``on_train_batch_end``) is left to Lightning.
+        True when the flag was cleared.
     """
     from lightning.pytorch.loops.loop import _Loop
 
@@ -186,8 +193,6 @@ def resume_restored_finished_epoch(trainer: object) -> bool:
     last_batch_done = batches.is_last_batch and batch.ready == batch.started == batch.processed == batch.completed
     if not (epoch_finished and last_batch_done):
         return False
-    # The base setter, not FitLoop's: it clears this loop and its children (epoch loop, validation loop) as loading
-    # with max_epochs does; _loaded_from_state_dict stays set, so FitLoop.reset() still completes a saved epoch.
     _Loop.restarting.fset(fit_loop, False)
     return True
 
@@ -200,6 +205,65 @@ def launched_child_processes(strategy: object) -> list[tuple[int, Any]]:
     """
     procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
     return [(index + 1, proc) for index, proc in enumerate(procs)]
+
+
+# --- FSDP2 and Lightning's FSDP2 strategy, used by AccelFSDP (tests: tests/utilities/test_compat_fsdp.py) ---
+
+
+def fsdp_comm_base_classes() -> tuple[type, type]:
+    """FSDP2's ``(AllGather, ReduceScatter)`` interfaces for ``FSDPModule.set_custom_all_gather/reduce_scatter``.
+
+    The setters are public; the base classes live in the private ``torch.distributed.fsdp._fully_shard._fsdp_api``.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    return AllGather, ReduceScatter
+
+
+def composable_checkpoint() -> Any:
+    """``torch.distributed._composable.checkpoint``: activation checkpointing of a module without wrapping it.
+
+    Unlike ``checkpoint_wrapper``, the module tree and ``state_dict`` keys are unchanged, and it composes with
+    ``fully_shard`` (torchtitan applies it per block before sharding).
+    """
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint
+
+
+def set_model_parallel_sizes(strategy: object, data_parallel: int, tensor_parallel: int) -> None:
+    """Set ``ModelParallelStrategy``'s mesh sizes (``_data_parallel_size``/``_tensor_parallel_size``) before its setup.
+
+    Its ``"auto"`` data-parallel size is the node count, which on one node gives a 1-rank FSDP mesh (no sharding).
+    """
+    strategy._data_parallel_size = data_parallel  # type: ignore[attr-defined]
+    strategy._tensor_parallel_size = tensor_parallel  # type: ignore[attr-defined]
+
+
+def strategy_launcher(strategy: Any, start_method: str) -> Any:
+    """The launcher ``DDPStrategy._configure_launcher`` would build for ``start_method``.
+
+    Lightning's subprocess script launcher for ``"popen"``, its ``_MultiProcessingLauncher`` otherwise.
+    """
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    if start_method == "popen":
+        return _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    return _MultiProcessingLauncher(strategy, start_method=start_method)
+
+
+def materialize_distributed_module(module: Any, device: Any) -> None:
+    """Lightning's ``_materialize_distributed_module``: allocate meta-device parameters (empty init) on ``device``."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Any, device: Any) -> None:
+    """Lightning's ``_optimizers_to_device``: move optimizer state tensors to ``device``."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
 
 
 # --- DDP's built-in logging, read by AccelDDP's hookless comm stats (tests: tests/utilities/test_compat_strategies.py)
@@ -233,3 +297,22 @@ def set_ddp_logging_sample_rate(ddp: object, sample_rate: int) -> None:
     ``elapsed_time``).
     """
     ddp._set_ddp_runtime_logging_sample_rate(sample_rate)  # type: ignore[attr-defined]
+
+
+# --- HangWatchdog's side channel (tests: tests/utilities/test_compat_watchdog.py) ---
+
+
+def default_process_group_store() -> Any:
+    """The key-value store of the default process group, or None without one (``distributed_c10d._get_default_store``).
+
+    ``init_process_group`` creates it (a ``TCPStore`` for ``env://``/``tcp://`` and under torchrun, a ``FileStore``
+    for ``file://``) and wraps it in ``PrefixStore``s; ``HangWatchdog`` opens its own client to the ``TCPStore``
+    server under them, so its side channel works while the process group's collectives are blocked.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -245,9 +245,15 @@ class _ProbedMonitor(EfficiencyMonitor):
     def on_train_batch_end(self, trainer, *args):
         self._probe("on_train_batch_end", trainer, *args)
 
-    def _close_window(self, *args: Any, **kwargs: Any) -> None:
-        self.windows_closed += 1
-        super()._close_window(*args, **kwargs)
+    def on_train_start(self, trainer, *args):
+        super().on_train_start(trainer, *args)
+        compute = self.meter.compute
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            self.windows_closed += 1
+            return compute(*a, **kw)
+
+        self.meter.compute = counted
 
 
 def test_per_step_hooks_do_no_tensor_work_outside_logging_steps():

@@ -19,9 +19,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lit_accel import AccelPrecision, LossScaleMonitor
-from lit_accel.callbacks import _scale_sources as scale_sources
-from lit_accel.callbacks import loss_scale_monitor as lsm
+from lit_accel import AccelPrecision, DynamicGradScaler, LossScaleMonitor
+from lit_accel.meters import _scale_sources as scale_sources
+from lit_accel.meters import loss_scale as lsm
 from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
 
 _KEYS = ["amp/loss_scale", "amp/skipped_steps", "amp/skip_rate", "amp/scale_growths", "amp/scale_backoffs"]
@@ -72,7 +72,8 @@ def _plugin(kind: str, init_scale: float = 2.0**8, growth_interval: int = 10**9,
     if kind == "mixed":
         return _fp16_plugin(init_scale, growth_interval)
     kwargs.setdefault("min_scale", min(1.0, init_scale))
-    return AccelPrecision("16-mixed", "cpu", init_scale=init_scale, growth_interval=growth_interval, **kwargs)
+    scaler = DynamicGradScaler(init_scale=init_scale, growth_interval=growth_interval, **kwargs)
+    return AccelPrecision("16-mixed", "cpu", scaler=scaler)
 
 
 def _stats(plugin: Precision) -> tuple[float, int]:
@@ -283,10 +284,10 @@ class _SyncCheckedMonitor(LossScaleMonitor):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         start, step, interval = self._batch_start_step, trainer.global_step, self._interval(trainer)
         if step // interval > start // interval:
-            real_read = self._read
-            self._read = lambda: (self.reads_in_steps.append(step), real_read())[1]
+            real_read = self.meter._read
+            self.meter._read = lambda: (self.reads_in_steps.append(step), real_read())[1]
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            del self._read
+            del self.meter._read
         else:
             with _NoSync():
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -451,7 +452,7 @@ def test_accel_precision_logs_the_same_keys_and_values_as_mixed_precision(tmp_pa
 
 
 def test_source_selection():
-    from lit_accel.plugins._grad_scaler import DynamicGradScaler
+    from lit_accel.plugins.grad_scaler import DynamicGradScaler
 
     assert scale_sources.select_source(Precision())[0] is None  # fp32
     disabled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))

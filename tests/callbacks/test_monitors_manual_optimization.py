@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_accel import AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+from lit_accel import AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor
 from tests.helpers import CaptureLogger, small_trainer_kwargs
 
 INF = float("inf")
@@ -69,7 +69,7 @@ def test_efficiency_monitor_counts_a_batch_with_two_optimizer_steps_as_one_step_
 
 def test_loss_scale_monitor_logs_one_row_per_logging_step_of_batches_with_two_optimizers():
     monitor = LossScaleMonitor()
-    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**8, growth_interval=1000)
+    plugin = AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**8, growth_interval=1000))
     _, logger = _fit(TwoPassGAN(overflow={2}), [monitor], plugins=[plugin], log_every_n_steps=4)
     assert logger.steps_with("amp/") == logger.steps_with("loss_b") == [3, 7]
     rows = [m for _, m in logger.rows if "amp/skipped_steps" in m]

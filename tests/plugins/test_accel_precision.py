@@ -13,7 +13,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lit_accel import AccelPrecision
+from lit_accel import AccelPrecision, DynamicGradScaler
 from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
 
 INF = float("inf")
@@ -97,17 +97,6 @@ def _same(a, b) -> bool:
     [
         (dict(precision="16"), "'16'"),
         (dict(precision="fp16-mixed"), "'fp16-mixed'"),
-        (dict(backoff_factor=0.0), "backoff_factor=0.0"),
-        (dict(backoff_factor=1.0), "backoff_factor=1.0"),
-        (dict(backoff_factor=-0.5), "backoff_factor=-0.5"),
-        (dict(growth_factor=1.0), "growth_factor=1.0"),
-        (dict(growth_factor=0.5), "growth_factor=0.5"),
-        (dict(init_scale=0.0), "init_scale=0.0"),
-        (dict(init_scale=-1.0), "init_scale=-1.0"),
-        (dict(min_scale=8.0, init_scale=4.0), "min_scale=8.0"),
-        (dict(max_scale=2.0, init_scale=4.0), "max_scale=2.0"),
-        (dict(hysteresis=0), "hysteresis=0"),
-        (dict(growth_interval=0), "growth_interval=0"),
         (dict(on_min_scale="ignore"), "'ignore'"),
         (dict(on_nonfinite="warn"), "'warn'"),
         (dict(device="mps"), "'mps'"),
@@ -120,15 +109,36 @@ def test_bad_arguments_raise_value_error_naming_the_value(kwargs, value):
         AccelPrecision(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "value"),
+    [
+        (dict(backoff_factor=0.0), "backoff_factor=0.0"),
+        (dict(backoff_factor=1.0), "backoff_factor=1.0"),
+        (dict(backoff_factor=-0.5), "backoff_factor=-0.5"),
+        (dict(growth_factor=1.0), "growth_factor=1.0"),
+        (dict(growth_factor=0.5), "growth_factor=0.5"),
+        (dict(init_scale=0.0), "init_scale=0.0"),
+        (dict(init_scale=-1.0), "init_scale=-1.0"),
+        (dict(min_scale=8.0, init_scale=4.0), "min_scale=8.0"),
+        (dict(max_scale=2.0, init_scale=4.0), "max_scale=2.0"),
+        (dict(hysteresis=0), "hysteresis=0"),
+        (dict(growth_interval=0), "growth_interval=0"),
+    ],
+)
+def test_bad_scaler_settings_raise_value_error_naming_the_value(kwargs, value):
+    with pytest.raises(ValueError, match=r"DynamicGradScaler\(.*" + re.escape(value)):
+        DynamicGradScaler(**kwargs)
+
+
 @pytest.mark.parametrize("kwargs", [dict(growth_interval=1.5), dict(dynamic="yes"), dict(init_scale="big")])
 def test_wrong_types_raise_type_error(kwargs):
-    with pytest.raises(TypeError, match="AccelPrecision"):
-        AccelPrecision("16-mixed", **kwargs)
+    with pytest.raises(TypeError, match="DynamicGradScaler"):
+        DynamicGradScaler(**kwargs)
 
 
 def test_a_device_that_disagrees_with_the_trainer_is_refused_at_setup():
     plugin = AccelPrecision("16-mixed", "cuda")  # nothing is created on CUDA at construction
-    assert plugin.scaler is None
+    assert plugin.scaler.device is None
     model = Model()
     with pytest.raises(RuntimeError, match=re.escape("AccelPrecision(device='cuda') but the Trainer runs on cpu")):
         _fit(model, plugin, steps=1)
@@ -141,8 +151,6 @@ def test_a_device_that_disagrees_with_the_trainer_is_refused_at_setup():
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
 def test_overflow_skips_the_step_halves_the_scale_then_grows(optimizer, monkeypatch):
     """Overflow at step 2: weights and optimizer state unchanged, one skip, scale halved; x2 after 3 clean steps."""
-    from lit_accel.plugins._grad_scaler import DynamicGradScaler
-
     host_reads = []
     original = DynamicGradScaler._maybe_opt_step
 
@@ -151,7 +159,7 @@ def test_overflow_skips_the_step_halves_the_scale_then_grows(optimizer, monkeypa
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DynamicGradScaler, "_maybe_opt_step", counting)
-    plugin = AccelPrecision("16-mixed", init_scale=2.0**8, growth_interval=3)
+    plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8, growth_interval=3))
     rec = Recorder()
     trainer = _fit(Model(bad_steps={2}, optimizer=optimizer), plugin, steps=6, recorder=rec)
     r = rec.rows
@@ -178,12 +186,10 @@ class MicroBatchOverflowModel(Model):
 
 
 def test_an_overflow_in_one_micro_batch_skips_the_whole_accumulation_window(monkeypatch):
-    from lit_accel.plugins._grad_scaler import DynamicGradScaler
-
     unscales = []
     original = DynamicGradScaler.unscale_
     monkeypatch.setattr(DynamicGradScaler, "unscale_", lambda self, opt: unscales.append(1) or original(self, opt))
-    plugin = AccelPrecision("16-mixed", init_scale=2.0**8)
+    plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8))
     rec = Recorder()
     # Windows of 2 micro-batches: batches (0, 1), (2, 3), (4, 5); batch 2 (first of the second window) overflows.
     _fit(MicroBatchOverflowModel(2), plugin, steps=3, recorder=rec, accumulate_grad_batches=2)
@@ -195,7 +201,7 @@ def test_an_overflow_in_one_micro_batch_skips_the_whole_accumulation_window(monk
 
 
 def test_hysteresis_two_skips_once_without_backing_off_and_backs_off_on_the_second_in_a_row():
-    plugin = AccelPrecision("16-mixed", init_scale=2.0**8, hysteresis=2, growth_interval=100)
+    plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8, hysteresis=2, growth_interval=100))
     rec = Recorder()
     _fit(Model(bad_steps={1, 3, 4}), plugin, steps=6, recorder=rec)
     r = rec.rows
@@ -223,7 +229,7 @@ def test_loss_scaling_rescues_gradients_that_flush_to_zero_in_fp16():
         return params_of(model)
 
     scaled = run(AccelPrecision("16-mixed"))
-    unscaled = run(AccelPrecision("16-mixed", init_scale=1.0, dynamic=False))
+    unscaled = run(AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=1.0, dynamic=False)))
     assert _same(unscaled, initial)  # every gradient flushed to zero: nothing learned
     moved = max((params_of(reference)[k] - initial[k]).abs().max().item() for k in initial)
     error = max((scaled[k] - params_of(reference)[k]).abs().max().item() for k in initial)
@@ -244,9 +250,8 @@ def test_loss_scaling_rescues_gradients_that_flush_to_zero_in_fp16():
 def test_always_overflowing_loss_stops_at_min_scale_with_an_explanation(
     optimizer, hysteresis, check_every, raised_at, first_hit
 ):
-    plugin = AccelPrecision(
-        "16-mixed", init_scale=16.0, min_scale=1.0, hysteresis=hysteresis, min_scale_check_interval=check_every
-    )
+    scaler = DynamicGradScaler(init_scale=16.0, min_scale=1.0, hysteresis=hysteresis)
+    plugin = AccelPrecision("16-mixed", scaler=scaler, min_scale_check_interval=check_every)
     model = Model(bad_steps={"all"}, optimizer=optimizer)
     initial = params_of(model)
     trainer = pl.Trainer(**small_trainer_kwargs(max_steps=100, plugins=[plugin]))
@@ -264,7 +269,7 @@ def test_always_overflowing_loss_stops_at_min_scale_with_an_explanation(
 
 
 def test_on_min_scale_warn_keeps_skipping_at_min_scale():
-    plugin = AccelPrecision("16-mixed", init_scale=4.0, min_scale=1.0, on_min_scale="warn")
+    plugin = AccelPrecision("16-mixed", on_min_scale="warn", scaler=DynamicGradScaler(init_scale=4.0, min_scale=1.0))
     model = Model(bad_steps={"all"})
     with pytest.warns(UserWarning, match="on_min_scale='warn'") as record:
         _fit(model, plugin, steps=8)
@@ -298,7 +303,7 @@ def test_host_reads_per_step_match_the_documented_table(monkeypatch, precision, 
             return _original(self, *args, **kw)
 
         monkeypatch.setattr(torch.Tensor, name, wrapper)
-    init = dict(init_scale=2.0**8) if precision == "16-mixed" else {}
+    init = dict(scaler=DynamicGradScaler(init_scale=2.0**8)) if precision == "16-mixed" else {}
     _fit(Model(optimizer=optimizer, scheduler=scheduler), AccelPrecision(precision, **init, **kwargs), steps=6)
     assert len(reads) == expected, reads
 
@@ -311,7 +316,7 @@ def test_step_lr_is_not_advanced_on_a_skipped_step(optimizer):
     rec = Recorder()
     trainer = _fit(
         Model(bad_steps={2}, scheduler="step", optimizer=optimizer, lr=0.1),
-        AccelPrecision("16-mixed", init_scale=2.0**8),
+        AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8)),
         steps=5,
         recorder=rec,
     )
@@ -323,7 +328,7 @@ def test_step_lr_is_not_advanced_on_a_skipped_step(optimizer):
     assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "SkipAwareStepLR"
 
 
-def test_lightning_mixed_precision_advances_the_scheduler_on_the_skipped_step():
+def test_upstream_still_skip_aware_schedulers():
     """The behaviour AccelPrecision fixes (Lightning #5558, #18828), so the test above can fail."""
     rec = Recorder()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -332,13 +337,17 @@ def test_lightning_mixed_precision_advances_the_scheduler_on_the_skipped_step():
 
 
 def test_skip_aware_scheduler_keeps_its_state_dict_and_pickles_as_the_original_class():
-    trainer = _fit(Model(scheduler="step"), AccelPrecision("16-mixed", init_scale=2.0**8), steps=2)
+    trainer = _fit(
+        Model(scheduler="step"), AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8)), steps=2
+    )
     sched = trainer.lr_scheduler_configs[0].scheduler
     fresh = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), 1)
     assert sched.state_dict().keys() == fresh.state_dict().keys()
     assert type(pickle.loads(pickle.dumps(sched))) is torch.optim.lr_scheduler.StepLR
     assert type(copy.deepcopy(sched)) is torch.optim.lr_scheduler.StepLR
-    epoch_trainer = _fit(Model(scheduler="epoch"), AccelPrecision("16-mixed", init_scale=2.0**8), steps=2)
+    epoch_trainer = _fit(
+        Model(scheduler="epoch"), AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8)), steps=2
+    )
     assert type(epoch_trainer.lr_scheduler_configs[0].scheduler) is torch.optim.lr_scheduler.StepLR
 
 
@@ -382,7 +391,7 @@ def test_clipping_acts_on_unscaled_gradients(algorithm, optimizer):
     model = Model(optimizer=optimizer)
     _fit(
         model,
-        AccelPrecision("16-mixed", init_scale=init_scale),
+        AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=init_scale)),
         steps,
         gradient_clip_val=clip,
         gradient_clip_algorithm=algorithm,
@@ -412,7 +421,7 @@ def test_manual_optimization_clips_unscaled_gradients():
     expected, _ = _manual_fp16_run("sgd", "norm", clip, steps, init_scale)
     pl.seed_everything(0)
     model = ManualClipModel(clip, optimizer="sgd")
-    _fit(model, AccelPrecision("16-mixed", init_scale=init_scale), steps)
+    _fit(model, AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=init_scale)), steps)
     assert _same(params_of(model), expected)
 
 
@@ -498,7 +507,7 @@ def _resume_case(tmp_path, drop_precision_state=False):
     """8 steps straight vs 4 + checkpoint + 4: hysteresis streak, growth tracker and counters must carry over."""
 
     def plugin():
-        return AccelPrecision("16-mixed", init_scale=2.0**8, hysteresis=2, growth_interval=3)
+        return AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8, hysteresis=2, growth_interval=3))
 
     def model():
         pl.seed_everything(0)
@@ -518,7 +527,7 @@ def _resume_case(tmp_path, drop_precision_state=False):
     first_trainer.save_checkpoint(path)
     if drop_precision_state:
         ckpt = torch.load(path, weights_only=False)
-        del ckpt["AccelPrecision"]
+        del ckpt["AccelPrecision"], ckpt["MixedPrecision"]  # the scale is written under both keys
         torch.save(ckpt, path)
 
     resumed_plugin = plugin()
@@ -535,7 +544,7 @@ def test_resume_restores_scaler_state_and_continues_bit_identically(tmp_path):
     assert _same(rt.optimizers[0].state_dict()["state"], st.optimizers[0].state_dict()["state"])
     assert rt.optimizers[0].param_groups[0]["lr"] == st.optimizers[0].param_groups[0]["lr"]
     assert rp.state_dict() == sp.state_dict()
-    scaler_state = sp.state_dict()["scaler"]
+    scaler_state = sp.state_dict()  # the scaler's entries at the top level, under torch's keys
     assert (scaler_state["skipped_steps"], scaler_state["backoffs"]) == (3, 1)
 
 
@@ -552,12 +561,12 @@ def test_resume_without_the_precision_state_diverges(tmp_path):
 
 
 def test_state_loaded_before_the_scaler_exists_is_applied_in_setup():
-    donor = AccelPrecision("16-mixed", "cpu", init_scale=2.0**8)
+    donor = AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**8))
     donor.scaler.update(new_scale=32.0)
     state = donor.state_dict()
-    plugin = AccelPrecision("16-mixed")  # device=None: the scaler is created in connect()
+    plugin = AccelPrecision("16-mixed")  # device=None: the scaler is placed in connect()
     plugin.load_state_dict(state)
-    assert plugin.scaler is None and plugin.state_dict() == state and plugin.loss_scale == 32.0
+    assert plugin.scaler.device is None and plugin.state_dict() == state and plugin.loss_scale == 32.0
     rec = Recorder()
     _fit(Model(), plugin, steps=1, recorder=rec)
     assert rec.rows[0]["scale"] == 32.0
@@ -576,7 +585,7 @@ def test_takes_the_scaler_state_of_a_lightning_mixed_precision_checkpoint():
 
 
 def test_public_state_contract():
-    plugin = AccelPrecision("16-mixed", init_scale=2.0**8)
+    plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8))
     trainer = _fit(Model(bad_steps={1}), plugin, steps=3)
     assert trainer.scaler is plugin.scaler and isinstance(plugin.scaler, torch.amp.GradScaler)
     stats = plugin.scaler_stats()
@@ -604,7 +613,7 @@ def _ddp_fp16(rank, world_size):
         pl.seed_everything(0)
         # Each rank overflows on its own step; DDP all-reduces the inf into both ranks' gradients.
         model = Model(bad_steps={2} if rank == 1 else {4})
-        plugin = AccelPrecision("16-mixed", init_scale=2.0**8, growth_interval=100)
+        plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8, growth_interval=100))
         rec = Recorder()
         trainer = pl.Trainer(
             **small_trainer_kwargs(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_accel import AccelPrecision
+from lit_accel import AccelPrecision, DynamicGradScaler
 from tests.helpers import small_trainer_kwargs
 
 INF = float("inf")
@@ -71,7 +71,7 @@ def test_several_optimizers_on_one_backward_unscale_with_the_scale_of_their_grad
     # growth_interval=1: the scale doubles after every clean optimizer step, so it has moved by the time the second
     # optimizer unscales. Lightning's MixedPrecision would hand it half its gradient (4.0).
     model = TwoOptimizers()
-    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1)
+    plugin = AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=1))
     _fit(model, plugin, steps=2 * 4)  # global_step counts both optimizers' steps: 4 iterations
     assert model.seen == [(name, 8.0) for _ in range(4) for name in "ab"]  # 2 samples x 4 ones, unscaled
     stats = plugin.scaler_stats()
@@ -84,7 +84,11 @@ def test_fused_optimizers_get_the_scale_of_their_gradients_too():
     lr = 2.0**-4
     model = TwoOptimizers(lr=lr, optimizer=functools.partial(torch.optim.SGD, fused=True))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _fit(model, AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1), steps=2 * 4)
+    _fit(
+        model,
+        AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=1)),
+        steps=2 * 4,
+    )
     for name, param in model.named_parameters():  # d(sum of outputs)/dw = 2 per element, 4 steps of lr * 2
         assert torch.equal(param.detach(), start[name] - 4 * lr * 2), name
 
@@ -104,13 +108,17 @@ def test_one_optimizer_stepping_twice_in_a_batch_sees_its_exact_gradients(clip):
                 opt_a.zero_grad()
 
     model = Twice()
-    _fit(model, AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1), steps=2 * 3)
+    _fit(
+        model,
+        AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=1)),
+        steps=2 * 3,
+    )
     assert model.seen == [("a", 8.0)] * 6
 
 
 def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once():
     model = TwoOptimizers(overflow_a={1}, lr=0.1)
-    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=100)
+    plugin = AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=100))
     before_a = None
 
     class Snapshot(pl.Callback):
@@ -134,7 +142,9 @@ def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once():
 def test_hysteresis_counts_optimizer_steps():
     # Both optimizers overflow in one iteration: two consecutive overflowing steps, so hysteresis=2 backs off once.
     model = TwoOptimizers(overflow_both={1})
-    plugin = AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=100, hysteresis=2)
+    plugin = AccelPrecision(
+        "16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=100, hysteresis=2)
+    )
     _fit(model, plugin, steps=2 * 3)
     stats = plugin.scaler_stats()
     assert stats.scale.item() == 2.0**3
@@ -153,7 +163,10 @@ def test_reading_the_scale_between_two_optimizers_changes_nothing():
 
     model, reader = TwoOptimizers(), Reader()
     _fit(
-        model, AccelPrecision("16-mixed", "cpu", init_scale=2.0**4, growth_interval=1), steps=2 * 3, callbacks=[reader]
+        model,
+        AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=1)),
+        steps=2 * 3,
+        callbacks=[reader],
     )
     assert model.seen == [(name, 8.0) for _ in range(3) for name in "ab"]
     assert reader.scales == [2.0 ** (4 + i) for i in range(6)]
@@ -185,7 +198,8 @@ class IdleOptimizer(pl.LightningModule):
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
 def test_an_optimizer_without_gradients_is_stepped_plainly(precision):
     model = IdleOptimizer()
-    plugin = AccelPrecision(precision, "cpu", init_scale=2.0**4)  # no overflow: every skip would be a bug
+    scaler = DynamicGradScaler(init_scale=2.0**4) if precision == "16-mixed" else None
+    plugin = AccelPrecision(precision, "cpu", scaler=scaler)  # no overflow: every skip would be a bug
     b_before = model.b.weight.detach().clone()
     _fit(model, plugin, steps=2 * 4)
     assert plugin.skipped_steps == 0

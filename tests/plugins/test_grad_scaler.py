@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from lit_accel.plugins._grad_scaler import DynamicGradScaler, ScalerStats
+from lit_accel.plugins.grad_scaler import DynamicGradScaler, ScalerStats
 
 
 def _step(scaler, param, opt, overflow: bool) -> None:

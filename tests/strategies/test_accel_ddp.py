@@ -20,7 +20,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 from lit_accel import AccelDDP
-from lit_accel.strategies._comm_hooks import CommStats, DDPLoggingCommStats, SupportsCommStats, resolve_comm_hook
+from lit_accel import AccelSyncBatchNorm
+from lit_accel.protocols import CommStats
+from lit_accel.strategies._comm_stats import DDPLoggingCommStats, HookCommStats
+from lit_accel.strategies._ddp_hooks import resolve_comm_hook
 from lit_accel.utilities._compat import ddp_logging_data
 from tests.helpers import (
     BNModel,
@@ -58,29 +61,31 @@ def _two_arg_lambda(state, bucket):
         ({"global_batch_size": True}, TypeError, r"global_batch_size=True\)"),
         ({"micro_batch_size": 8}, ValueError, r"micro_batch_size=8\) only serves global_batch_size.*Fix"),
         ({"partial_window": "sum"}, ValueError, r"partial_window='sum'\): expected one of 'mean', 'lightning'"),
-        ({"sync_batchnorm": "yes"}, TypeError, r"sync_batchnorm='yes'\): expected True or False"),
+        ({"sync_batchnorm": "yes"}, TypeError, r"sync_batchnorm='yes'\): expected True, False or an AccelSync"),
         ({"static_graph": 1}, TypeError, r"static_graph=1\)"),
-        ({"sync_bn_group_size": 0}, ValueError, r"sync_bn_group_size=0\)"),
-        ({"sync_bn_implementation": "apex"}, ValueError, r"sync_bn_implementation='apex'\).*'portable'"),
         ({"comm_hook": "fp8"}, ValueError, r"comm_hook='fp8'\): expected one of 'fp16', 'bf16', 'powersgd'"),
         ({"comm_hook": 42}, TypeError, r"comm_hook=42\)"),
         ({"comm_hook": lambda bucket: bucket}, TypeError, r"cannot be called as hook\(state, bucket\).*Fix"),
-        ({"comm_hook": "fp16", "comm_state": object()}, ValueError, r"comm_state=.* is only used with"),
-        ({"comm_hook": "bf16", "powersgd_rank": 2}, ValueError, r"powersgd_rank=2.*only apply to comm_hook='powersgd'"),
-        ({"comm_hook": "powersgd", "powersgd_start_iter": 1}, ValueError, r"powersgd_start_iter=1\).*>= 2"),
-        ({"comm_hook": "powersgd", "powersgd_rank": 0}, ValueError, r"powersgd_rank=0\)"),
+        ({"comm_hook": "fp16", "comm_state": object()}, ValueError, r"comm_state=object\(...\)\) needs comm_hook="),
         ({"comm_hook": "powersgd", "comm_state": "state"}, TypeError, r"expected a PowerSGDState"),
         (
             {"comm_hook": _two_arg_lambda, "comm_state": post_localSGD_hook.PostLocalSGDState(None, None, 10)},
             ValueError,
-            r"post-local SGD.*Fix: use Lightning's DDPStrategy",
+            r"PostLocalSGDState.*Fix: pass model_averaging_period",
         ),
+        ({"model_averaging_period": 4}, ValueError, r"model_averaging_period=4\) only applies to post-local SGD"),
+        ({"comm_wrapper": default_hooks.fp16_compress_wrapper}, ValueError, r"comm_wrapper=...\).*Fix: pass comm_hook"),
         ({"bucket_cap_mb": -1}, ValueError, r"bucket_cap_mb=-1\): expected a finite number > 0 or None\. Fix"),
         ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb=0\)"),
         ({"bucket_cap_mb": math.nan}, ValueError, r"bucket_cap_mb=nan\)"),
         ({"bucket_cap_mb": "25"}, TypeError, r"bucket_cap_mb='25'\)"),
-        ({"process_group_backend": "nccI"}, ValueError, r"process_group_backend='nccI'\).*gloo"),
-        ({"ddp_comm_hook": default_hooks.fp16_compress_hook}, TypeError, r"ddp_comm_hook=...\) is DDPStrategy's.*"),
+        ({"process_group_backend": "cpu:"}, ValueError, r"process_group_backend='cpu:'\).*'cpu:gloo,cuda:nccl'"),
+        ({"process_group_backend": 3}, TypeError, r"process_group_backend=3\)"),
+        (
+            {"ddp_comm_hook": default_hooks.fp16_compress_hook, "comm_hook": "bf16"},
+            ValueError,
+            r"ddp_comm_hook=..., comm_hook=...\): two values for the same argument",
+        ),
         ({"bucket_size": 3}, TypeError, r"unknown argument\(s\) \['bucket_size'\].*forward_sync_buffers"),
     ],
 )
@@ -92,14 +97,8 @@ def test_bad_arguments_raise_at_construction_naming_the_value(kwargs, error, pat
 def test_good_arguments_reach_distributed_data_parallel():
     powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=5)
     strategy = AccelDDP(comm_hook="powersgd", comm_state=powersgd, bucket_cap_mb=10, forward_sync_buffers=False)
-    assert strategy._ddp_kwargs == {
-        "gradient_as_bucket_view": True,
-        "static_graph": False,
-        "find_unused_parameters": False,
-        "forward_sync_buffers": False,
-        "bucket_cap_mb": 10,
-    }
-    assert isinstance(strategy.comm_stats, CommStats) and strategy.comm_stats.calls == 0
+    assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "forward_sync_buffers": False, "bucket_cap_mb": 10}
+    assert isinstance(strategy.comm_stats, HookCommStats) and strategy.comm_stats.calls == 0
     assert strategy.global_batch_size is None and strategy.micro_batch_size is None
     assert AccelDDP(global_batch_size=64).global_batch_size == 64
 
@@ -122,7 +121,7 @@ def test_registered_names_and_start_methods():
 
 
 def test_strategy_pickles_for_spawn_with_its_counters():
-    strategy = AccelDDP(global_batch_size=64, comm_hook="powersgd", powersgd_start_iter=3)
+    strategy = AccelDDP(global_batch_size=64, comm_hook="powersgd")
     strategy.comm_stats.calls, strategy.comm_stats.bytes = 3, 120
     restored = pickle.loads(pickle.dumps(strategy))
     assert (restored.comm_stats.calls, restored.comm_stats.bytes) == (3, 120)
@@ -135,14 +134,14 @@ def test_strategy_pickles_for_spawn_with_its_counters():
 
 def test_comm_stats_kind_follows_comm_hook_and_both_satisfy_the_protocol():
     default, hooked = AccelDDP(), AccelDDP(comm_hook="bf16")
-    assert type(default.comm_stats) is DDPLoggingCommStats and type(hooked.comm_stats) is CommStats
-    assert isinstance(default.comm_stats, SupportsCommStats) and isinstance(hooked.comm_stats, SupportsCommStats)
+    assert type(default.comm_stats) is DDPLoggingCommStats and type(hooked.comm_stats) is HookCommStats
+    assert isinstance(default.comm_stats, CommStats) and isinstance(hooked.comm_stats, CommStats)
 
 
 def test_comm_stats_elapsed_time_is_the_union_of_intervals(monkeypatch):
-    stats = CommStats()
+    stats = HookCommStats()
     clock = iter([0.0, 1.0, 2.0, 3.0, 5.0, 6.0])  # starts and ends of three collectives, the first two overlap
-    monkeypatch.setattr("lit_accel.strategies._comm_hooks.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("lit_accel.strategies._comm_stats.time.perf_counter", lambda: next(clock))
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(torch.zeros(1))
     first, second = stats._start(torch.device("cpu")), stats._start(torch.device("cpu"))  # 0.0, 1.0
@@ -155,10 +154,10 @@ def test_comm_stats_elapsed_time_is_the_union_of_intervals(monkeypatch):
 
 
 def test_comm_stats_fold_pending_intervals_when_nobody_pops(monkeypatch):
-    monkeypatch.setattr("lit_accel.strategies._comm_hooks._MAX_PENDING", 3)
+    monkeypatch.setattr("lit_accel.strategies._comm_stats._MAX_PENDING", 3)
     clock = iter(float(t) for t in range(100))
-    monkeypatch.setattr("lit_accel.strategies._comm_hooks.time.perf_counter", lambda: next(clock))
-    stats = CommStats()
+    monkeypatch.setattr("lit_accel.strategies._comm_stats.time.perf_counter", lambda: next(clock))
+    stats = HookCommStats()
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(torch.zeros(1))
     for _ in range(10):  # ten disjoint collectives of 1 s each: [0, 1], [2, 3], ...
@@ -261,7 +260,7 @@ def _grouped_running_stats(rank: int, world_size: int) -> dict[str, torch.Tensor
     pl.seed_everything(0, verbose=False)
     model = BNModel()
     kwargs = small_trainer_kwargs(devices=world_size, max_steps=1, use_distributed_sampler=False)
-    strategy = AccelDDP(sync_bn_group_size=2)
+    strategy = AccelDDP(sync_batchnorm=AccelSyncBatchNorm(group_size=2))
     pl.Trainer(strategy=strategy, **kwargs).fit(model, make_loader(make_dataset(32), 4, rank, world_size))
     assert strategy.sync_bn_group_size == 2
     return {k: v for k, v in params_of(model).items() if "running" in k}
@@ -325,7 +324,7 @@ _HOOKS: dict[str, dict[str, Any]] = {
     "default": {},
     "fp16": {"comm_hook": "fp16"},
     "bf16": {"comm_hook": "bf16"},
-    "powersgd": {"comm_hook": "powersgd", "powersgd_start_iter": 2},
+    "powersgd": {"comm_hook": "powersgd"},  # a PowerSGDState(start_powerSGD_iter=2) is made in each run
     "callable": {},
 }
 _STEPS = 4
@@ -337,6 +336,8 @@ def _hook_runs(rank: int, world_size: int) -> dict[str, Any]:
         user_hook = _CountingAllReduce() if name == "callable" else None
         if user_hook is not None:
             hook_kwargs = {"comm_hook": user_hook}
+        if name == "powersgd":
+            hook_kwargs = {**hook_kwargs, "comm_state": powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2)}
         pl.seed_everything(0, verbose=False)
         model = BNModel(batchnorm=False)
         recorder = _StepRecorder()
@@ -604,7 +605,7 @@ def _setup_error(rank: int, world_size: int, strategy: AccelDDP, **trainer_kwarg
 def _setup_errors(rank: int, world_size: int) -> dict[str, str]:
     return {
         "nccl_on_cpu": _setup_error(rank, world_size, AccelDDP(process_group_backend="nccl")),
-        "group_size": _setup_error(rank, world_size, AccelDDP(sync_bn_group_size=3)),
+        "group_size": _setup_error(rank, world_size, AccelDDP(sync_batchnorm=AccelSyncBatchNorm(group_size=3))),
         "contradiction": _setup_error(rank, world_size, AccelDDP(sync_batchnorm=False), sync_batchnorm=True),
     }
 
@@ -613,7 +614,7 @@ def _setup_errors(rank: int, world_size: int) -> dict[str, str]:
     ("case", "patterns"),
     [
         ("nccl_on_cpu", [r"process_group_backend='nccl'\) needs CUDA", "Fix: drop process_group_backend"]),
-        ("group_size", [r"sync_bn_group_size=3\) must divide the world size 2", r"Allowed: \[1, 2\]", "Fix"]),
+        ("group_size", [r"group_size=3\)\) must divide the world size 2", r"Allowed: \[1, 2\]", "Fix"]),
         ("contradiction", [r"sync_batchnorm=False\) contradicts Trainer\(sync_batchnorm=True\)", "Fix"]),
     ],
 )
@@ -645,7 +646,7 @@ def test_accel_ddp_spawn_launches_two_processes_and_reverts_batchnorm():
 def test_a_callable_hook_without_state_gets_ddps_process_group():
     # torch's hooks reduce over their state's group (None: the world); with DDP(process_group=...) they must get that.
     group = object()
-    _, state, kind = resolve_comm_hook(default_hooks.allreduce_hook, None, 1, 2, group)
+    _, state, kind = resolve_comm_hook(default_hooks.allreduce_hook, None, None, group)
     assert state is group and kind == "custom"
     mine = object()
-    assert resolve_comm_hook(default_hooks.allreduce_hook, mine, 1, 2, group)[1] is mine
+    assert resolve_comm_hook(default_hooks.allreduce_hook, mine, None, group)[1] is mine

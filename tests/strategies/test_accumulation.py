@@ -420,7 +420,7 @@ def _static_graph_first_backward_under_no_sync(rank: int, world_size: int) -> st
     return ""
 
 
-def test_torch_static_graph_still_breaks_under_no_sync():
+def test_upstream_still_static_graph_no_sync():
     """Why AccelDDP refuses static_graph with accumulation. If this fails, torch fixed it: revisit the refusal."""
     messages = run_distributed(_static_graph_first_backward_under_no_sync, 2, timeout=60)
     assert all("expect_autograd_hooks_" in m for m in messages), messages
@@ -478,12 +478,12 @@ class _ScalerRecorder(pl.Callback):
 
 
 def _fit_fp16(rank, world_size, strategy, batch_size, overflow_at=None) -> dict:
-    from lit_accel import AccelPrecision
+    from lit_accel import AccelPrecision, DynamicGradScaler
 
     pl.seed_everything(0, verbose=False)
     model = _OverflowModel(overflow_at)
     recorder = _ScalerRecorder()
-    precision = AccelPrecision("16-mixed", init_scale=INIT_SCALE, backoff_factor=BACKOFF)
+    precision = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=INIT_SCALE, backoff_factor=BACKOFF))
     kwargs = small_trainer_kwargs(
         max_steps=-1, max_epochs=2, gradient_clip_val=CLIP, plugins=[precision], callbacks=[recorder]
     )

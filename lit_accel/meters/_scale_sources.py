@@ -1,7 +1,7 @@
-"""Where ``LossScaleMonitor`` gets its numbers: a scaler's own counters, or counters derived from a torch scaler.
+"""Where :class:`~lit_accel.meters.LossScaleMeter` gets its numbers: a scaler's own counters, or derived ones.
 
-Both sources hand out 0-d device tensors and never read them on the host; the monitor stacks them and reads them
-once, at logging steps.
+Both sources hand out 0-d device tensors and never read them on the host; the meter stacks them and reads them once,
+at logging steps.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from lit_accel.protocols import ScalerStats, ScalerStatsProvider
 from lit_accel.utilities._compat import grad_scaler_scale
 
-__all__ = ["ScaleSource", "select_source"]
+__all__ = ["Counters", "ScaleSource", "StatsSource", "TorchScalerSource", "select_source"]
 
 
 class Counters(NamedTuple):
@@ -27,12 +28,12 @@ class Counters(NamedTuple):
 
 
 class StatsSource:
-    """A scaler's own cumulative counters (``AccelPrecision.scaler_stats()``, ``DynamicGradScaler.stats()``).
+    """A scaler's own cumulative counters: a ``ScalerStatsProvider``'s, or ``DynamicGradScaler.stats()``.
 
-    They know about hysteresis: an overflow that the scaler tolerates is a skip without a back-off.
+    They know about hysteresis: a tolerated overflow is a skip without a back-off.
     """
 
-    def __init__(self, stats: Callable[[], Any], scaler: torch.amp.GradScaler) -> None:
+    def __init__(self, stats: Callable[[], ScalerStats], scaler: torch.amp.GradScaler | None) -> None:
         self.stats, self.scaler = stats, scaler
 
     def start(self) -> None:
@@ -42,7 +43,7 @@ class StatsSource:
         pass  # the counters are cumulative: nothing to do per step
 
     def scale(self) -> Tensor | None:
-        live = grad_scaler_scale(self.scaler)  # the live tensor: no copy per step
+        live = grad_scaler_scale(self.scaler) if self.scaler is not None else None  # no copy per step
         return live if live is not None else self.stats().scale
 
     def counters(self) -> Counters | None:
@@ -59,12 +60,10 @@ class StatsSource:
 class TorchScalerSource:
     """Counters for a plain ``torch.amp.GradScaler`` (Lightning's ``MixedPrecision``), derived from its scale.
 
-    torch's update rule (``torch._amp_update_scale_``) multiplies the scale by ``backoff_factor < 1`` on every step
-    with inf/NaN gradients, which ``GradScaler.step`` skips, and by ``growth_factor > 1`` after ``growth_interval``
-    clean steps. So, compared across one optimizer step, a lower scale is one skipped step and one back-off and a
-    higher scale one growth: a few tensor ops per step, no host sync. (Exact while the scale is a positive finite
-    float32; a scale that has collapsed to 0 or grown to inf no longer moves.) A subclass with its own policy, such as
-    lit_accel's ``DynamicGradScaler`` with hysteresis, exposes ``stats()`` and is read by ``_StatsSource`` instead.
+    torch's rule multiplies the scale by ``backoff_factor < 1`` on every overflowing (skipped) step and by
+    ``growth_factor > 1`` after ``growth_interval`` clean ones, so across one optimizer step a lower scale is one skip
+    and one back-off, a higher one a growth: a few tensor ops per step, no host sync (exact while the scale is a
+    positive finite float32).
     """
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
@@ -77,8 +76,8 @@ class TorchScalerSource:
     def start(self) -> None:
         scale = grad_scaler_scale(self.scaler)
         if self._prev is None and self._initial is None:
-            # No sync: while the scale tensor is not created yet (lazily, at the first scaler.scale()), get_scale()
-            # returns the initial scale, which Lightning has already restored from a checkpoint.
+            # No sync: before the first scaler.scale() creates the tensor, get_scale() returns the initial (or
+            # checkpoint-restored) scale from a Python float.
             self._initial = self.scaler.get_scale() if scale is None else None
             self._prev = None if scale is None else scale.detach().clone()
 
@@ -120,22 +119,25 @@ class TorchScalerSource:
         self._loaded_counts = [int(state["skipped"]), int(state["growths"])]
 
 
-ScaleSource = "StatsSource | TorchScalerSource"
+ScaleSource = StatsSource | TorchScalerSource
 
 
-def select_source(precision: Any) -> tuple[StatsSource | TorchScalerSource | None, Any, str]:
-    """The counter source for a precision plugin, its GradScaler, and, when there is none, why."""
-    scaler = getattr(precision, "scaler", None)
-    if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
-        if callable(getattr(precision, "scaler_stats", None)):
-            return StatsSource(precision.scaler_stats, scaler), scaler, ""
-        if callable(getattr(scaler, "stats", None)):  # a DynamicGradScaler inside another plugin
-            return StatsSource(scaler.stats, scaler), scaler, ""
-        return TorchScalerSource(scaler), scaler, ""
-    label = getattr(precision, "precision", type(precision).__name__)
+def select_source(owner: Any) -> tuple[ScaleSource | None, torch.amp.GradScaler | None, str]:
+    """The counter source for a precision plugin (or a bare ``GradScaler``), its GradScaler, and why there is none."""
+    if isinstance(owner, ScalerStatsProvider):
+        scaler = getattr(owner, "scaler", None)
+        scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
+        if owner.loss_scaling:
+            return StatsSource(owner.scaler_stats, scaler), scaler, ""
+    else:
+        scaler = owner if isinstance(owner, torch.amp.GradScaler) else getattr(owner, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+            if callable(getattr(scaler, "stats", None)):  # a DynamicGradScaler inside another plugin (Fabric's)
+                return StatsSource(scaler.stats, scaler), scaler, ""
+            return TorchScalerSource(scaler), scaler, ""
+    label = getattr(owner, "precision", type(owner).__name__)
     return (
         None,
         None,
-        f"precision {label!r} ({type(precision).__name__}) uses no loss scaler. Only fp16 mixed precision"
-        " ('16-mixed' with a GradScaler) scales the loss; bf16 has fp32's exponent range and needs none.",
+        f"precision {label!r} ({type(owner).__name__}) uses no loss scaler; only fp16 ('16-mixed') scales the loss.",
     )

@@ -1,0 +1,10 @@
+"""Meters: the arithmetic of lit_accel's monitors as plain objects, usable from any loop (raw PyTorch, Fabric).
+
+The callbacks in :mod:`lit_accel.callbacks` are thin Lightning adapters over these, as Fabric's ``Throughput`` is to
+Lightning's ``ThroughputMonitor``.
+"""
+
+from lit_accel.meters.efficiency import EfficiencyMeter
+from lit_accel.meters.loss_scale import LossScaleMeter
+
+__all__ = ["EfficiencyMeter", "LossScaleMeter"]

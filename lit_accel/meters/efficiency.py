@@ -1,0 +1,295 @@
+"""``EfficiencyMeter``: throughput, step breakdown, TFLOP/s, MFU, stragglers and all-reduce volume of a training loop.
+
+No Lightning here: the meter is driven by four calls per micro-batch from any loop (raw PyTorch, Fabric, or the
+``EfficiencyMonitor`` callback, which is a thin adapter over it). Between logging steps it only reads the host clock
+(CUDA events on GPU) and adds Python numbers; at a logging step :meth:`EfficiencyMeter.compute` makes device work
+visible (one synchronize), gathers one small vector per rank in one ``all_gather`` and turns the window into metrics.
+Timing follows torchtitan's ``components/metrics.py``; formulas and sources: ``docs/monitors.md``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lit_accel.meters._efficiency_metrics import EfficiencyConfig, RankWindow, window_metrics
+from lit_accel.utilities._timing import IntervalTimer, synchronize
+from lit_accel.utilities._validation import check_int, check_number
+
+if TYPE_CHECKING:
+    from lit_accel.protocols import CommStats
+
+__all__ = ["EfficiencyMeter"]
+
+
+@dataclass
+class _Progress:
+    """Where the meter is inside the current window (host numbers only)."""
+
+    steps_seen: int = 0
+    window_start: float | None = None
+    last_end: float = 0.0
+    last_step_end: float = 0.0
+    paused_at: float | None = None
+    paused_in_gap: float = 0.0
+    paused_in_window: float = 0.0
+    paused_at_step: float = 0.0
+    in_forward: bool = False
+    comm_bytes_at_start: float = 0.0
+    window: RankWindow = field(default_factory=RankWindow)
+    device_counts: dict[str, list[Tensor]] = field(default_factory=lambda: {"samples": [], "items": []})
+
+
+class EfficiencyMeter:
+    """Measure a training loop's efficiency without a host-device sync between logging steps.
+
+    Per micro-batch call :meth:`batch_start` (with its sample count), :meth:`forward_end` and :meth:`batch_end`
+    (``stepped=True`` when an optimizer step ended it); at logging steps :meth:`compute` returns the window's
+    metrics (every rank must call it: it gathers), and :meth:`summary` the averages over all windows. The first
+    ``warmup_steps`` optimizer steps are not measured; :meth:`pause`/:meth:`resume` keep validation out.
+
+    Args:
+        device: the device the loop runs on (CUDA: timed with events, peak memory read).
+        world_size: ranks taking part (default: the process group's, 1 without one).
+        warmup_steps: optimizer steps at the start that are not measured.
+        flops_per_sample: training FLOPs (forward + backward) per sample, enabling TFLOP/s (settable later).
+        peak_flops: dense peak FLOP/s of one device, enabling MFU.
+        baseline_samples_per_sec: one device's throughput, enabling ``scaling_efficiency``.
+        comm_stats: the strategy's collective counters (:class:`lit_accel.protocols.CommStats`), or ``None``.
+        clock: host clock in seconds (injectable for tests). warn: where warnings go.
+
+    Example::
+
+        meter = EfficiencyMeter(device, flops_per_sample=6 * n_params)
+        for step, (x, y) in enumerate(loader):
+            meter.batch_start(len(x))
+            loss = loss_fn(model(x), y)
+            meter.forward_end()
+            loss.backward(); opt.step(); opt.zero_grad()
+            meter.batch_end(stepped=True)
+            if (step + 1) % 50 == 0:
+                print(meter.compute())
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        world_size: int | None = None,
+        warmup_steps: int = 3,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
+        baseline_samples_per_sec: float | None = None,
+        comm_stats: CommStats | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        warn: Callable[[str], Any] = warnings.warn,
+    ) -> None:
+        check_int("EfficiencyMeter", "warmup_steps", warmup_steps, minimum=0, example=3)
+        check_number("EfficiencyMeter", "flops_per_sample", flops_per_sample, allow_none=True)
+        self.device = torch.device(device)
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.world_size = world_size
+        self.warmup_steps = warmup_steps
+        self.config = EfficiencyConfig(
+            flops_per_sample=None if flops_per_sample is None else float(flops_per_sample),
+            peak_flops=None if peak_flops is None else float(peak_flops),
+            baseline_samples_per_sec=baseline_samples_per_sec,
+            cuda=self.device.type == "cuda",
+        )
+        self.comm_stats = comm_stats
+        self.count_items = False
+        self._clock = clock
+        self._warn = warn
+        self._forward = IntervalTimer(self.device, clock)
+        self._progress = _Progress()
+        self._totals: list[RankWindow] | None = None
+        self._total_window_s = 0.0
+        #: ``{"step": index, **metrics}`` of every computed window.
+        self.windows: list[dict[str, float]] = []
+        self._mfu_warned = False
+        self.reset()
+
+    @property
+    def flops_per_sample(self) -> float | None:
+        """Training FLOPs per sample (``None``: no TFLOP/s or MFU)."""
+        return self.config.flops_per_sample
+
+    @flops_per_sample.setter
+    def flops_per_sample(self, value: float | None) -> None:
+        self.config.flops_per_sample = None if value is None else float(value)
+
+    @property
+    def steps_seen(self) -> int:
+        """Optimizer steps seen since the last :meth:`reset`, warm-up included."""
+        return self._progress.steps_seen
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a window is open (warm-up is over)."""
+        return self._progress.window_start is not None
+
+    def reset(self) -> None:
+        """Forget everything measured (a new fit); the warm-up starts again."""
+        now = self._clock()
+        self._progress = _Progress(last_end=now, last_step_end=now)
+        self._totals, self._total_window_s, self.windows = None, 0.0, []
+        if self.warmup_steps == 0:
+            self._open(now)
+
+    # ------------------------------------------------------------------ per micro-batch
+
+    def batch_start(self, samples: int | float | Tensor, items: int | float | Tensor | None = None) -> None:
+        """A micro-batch begins: the time since the previous one ended is data wait. Tensors are summed on device."""
+        p = self._progress
+        now = self._clock()
+        if p.window_start is not None:
+            p.window.data_wait_s += now - p.last_end - p.paused_in_gap
+            self._forward.start()
+            self._add("samples", samples)
+            if items is not None:
+                self.count_items = True
+                self._add("items", items)
+        p.paused_in_gap = 0.0
+        p.in_forward = True
+
+    def forward_end(self) -> None:
+        """The micro-batch's forward is done (busy time = data wait + forward: the straggler measure)."""
+        if self._progress.in_forward:
+            self._progress.in_forward = False
+            if self._progress.window_start is not None:
+                self._forward.stop()
+
+    def batch_end(self, stepped: bool) -> None:
+        """The micro-batch is done; ``stepped`` when an optimizer step (one or several optimizers) ended it."""
+        p = self._progress
+        self.forward_end()
+        if stepped:
+            now = self._clock()
+            p.steps_seen += 1
+            p.last_step_end, p.paused_at_step = now, p.paused_in_window
+            if p.window_start is not None:
+                p.window.steps += 1
+            elif p.steps_seen >= self.warmup_steps:
+                synchronize(self.device)  # once, so warm-up work still queued on the device stays out
+                self._open(self._clock())
+        p.last_end = self._clock()
+
+    def pause(self) -> None:
+        """Stop the clock (validation inside fit): the time until :meth:`resume` counts nowhere."""
+        self._progress.paused_at = self._clock()
+
+    def resume(self) -> None:
+        """Restart the clock after :meth:`pause`."""
+        p = self._progress
+        if p.paused_at is not None:
+            spent = self._clock() - p.paused_at
+            p.paused_in_gap += spent
+            p.paused_in_window += spent
+            p.paused_at = None
+
+    def _add(self, key: str, value: int | float | Tensor) -> None:
+        if isinstance(value, Tensor):
+            self._progress.device_counts[key].append(value.detach())
+        else:
+            setattr(self._progress.window, key, getattr(self._progress.window, key) + value)
+
+    def _open(self, now: float) -> None:
+        p = self._progress
+        p.window_start, p.paused_in_window, p.window = now, 0.0, RankWindow()
+        if self.comm_stats is not None:
+            p.comm_bytes_at_start = float(self.comm_stats.bytes)
+            self.comm_stats.pop_elapsed_s()  # drop the warm-up collectives
+
+    # ------------------------------------------------------------------ logging steps
+
+    def compute(self, step: int | None = None, *, final: bool = False) -> dict[str, float]:
+        """Close the current window and return its metrics (empty during warm-up). Every rank must call it.
+
+        Args:
+            step: the index recorded with the window in :attr:`windows` (default: the optimizer steps seen).
+            final: the end of training: on CPU the window ends at the last optimizer step, not now.
+        """
+        p = self._progress
+        if p.window_start is None or p.window.steps <= 0:
+            return {}
+        synchronize(self.device)
+        now = self._clock()
+        end, paused = (
+            (p.last_step_end, p.paused_at_step) if final and not self.config.cuda else (now, p.paused_in_window)
+        )
+        w = p.window
+        w.window_s = end - p.window_start - paused
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+        for key, tensors in p.device_counts.items():
+            if tensors:  # the one device read of user-returned counts, at a logging step
+                setattr(w, key, getattr(w, key) + float(torch.stack([t.to(dtype) for t in tensors]).sum().item()))
+                tensors.clear()
+        w.busy_s = w.data_wait_s + self._forward.pop_total_s()
+        if self.config.cuda:
+            w.peak_memory_bytes = float(torch.cuda.max_memory_allocated(self.device))
+        w.flops = (self.config.flops_per_sample or 0.0) * w.samples
+        if self.comm_stats is not None:
+            total_bytes = float(self.comm_stats.bytes)
+            w.comm_bytes, p.comm_bytes_at_start = total_bytes - p.comm_bytes_at_start, total_bytes
+            w.comm_s = float(self.comm_stats.pop_elapsed_s())
+        rows = self._gather(w, dtype)
+        window_s = max(r.window_s for r in rows)
+        metrics = self._metrics(rows, window_s)
+        if self._totals is None:
+            self._totals = [RankWindow() for _ in rows]
+        for total, row in zip(self._totals, rows):
+            total.accumulate(row)
+        self._total_window_s += window_s
+        self.windows.append({"step": p.steps_seen if step is None else step, **metrics})
+        # Windows tile the run (the next starts where this one ended), but this logging work is not data wait.
+        p.window_start, p.paused_in_window, p.window = now, 0.0, RankWindow()
+        p.last_end = self._clock()
+        return metrics
+
+    def summary(self) -> dict[str, float]:
+        """Averages over every computed window (plus ``measured_steps``); empty when nothing was measured."""
+        if self._totals is None:
+            return {}
+        summary = self._metrics(self._totals, self._total_window_s)
+        summary["measured_steps"] = self._totals[0].steps
+        return summary
+
+    def _gather(self, window: RankWindow, dtype: torch.dtype) -> list[RankWindow]:
+        # One path for any world size: the window as one small device tensor, gathered when there are peers.
+        local = torch.tensor(window.vector(), dtype=dtype, device=self.device)
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            gathered = torch.empty(self.world_size * local.numel(), dtype=dtype, device=self.device)
+            dist.all_gather_into_tensor(gathered, local)
+            local = gathered
+        return [RankWindow.from_vector(row) for row in local.reshape(-1, len(window.vector())).cpu().tolist()]
+
+    def _metrics(self, rows: list[RankWindow], window_s: float) -> dict[str, float]:
+        metrics, mfu_excess = window_metrics(rows, window_s, self.config, has_comm=self.comm_stats is not None)
+        if not self.count_items:
+            metrics.pop("items_per_sec", None)
+        if mfu_excess is not None and not self._mfu_warned:
+            self._mfu_warned = True
+            peak = self.config.peak_flops or 0.0
+            self._warn(
+                f"EfficiencyMeter: {mfu_excess / 1e12:.4g} TFLOP/s per device against a peak of {peak / 1e12:.4g}"
+                " TFLOP/s: MFU would exceed 100%, so it is not reported. Fix: pass the device's dense peak as"
+                " peak_flops, or check flops_per_sample."
+            )
+        return metrics
+
+    def report(self) -> dict[str, Any]:
+        """The JSON report: configuration, averages and every window."""
+        config = {f.name: getattr(self.config, f.name) for f in fields(self.config) if f.name != "cuda"}
+        return {
+            "config": {**config, "world_size": self.world_size, "warmup_steps": self.warmup_steps},
+            "averages": self.summary(),
+            "windows": self.windows,
+        }

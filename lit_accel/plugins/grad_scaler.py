@@ -1,0 +1,388 @@
+"""``DynamicGradScaler``: torch's ``GradScaler`` with hysteresis, scale bounds and on-device counters.
+
+The update policy is DeepSpeed's (``runtime/fp16/loss_scaler.py``, ``consecutive_hysteresis=True``) and Megatron-LM's
+(``optimizer/grad_scaler.py``), written as a handful of tensor ops so that it needs no host sync:
+
+* overflow (inf/NaN in any gradient): the step is skipped, the growth tracker resets and the overflow streak grows;
+  when the streak reaches ``hysteresis`` the scale is multiplied by ``backoff_factor`` (never below ``min_scale``).
+  An overflow while the scale is already at ``min_scale`` is counted as a *min-scale hit*, so the caller can stop.
+* clean step: the streak resets; after ``growth_interval`` consecutive clean steps the scale is multiplied by
+  ``growth_factor`` (never above ``max_scale``). With ``hysteresis=1`` and unbounded scale this is exactly torch's
+  ``torch._amp_update_scale_``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lit_accel.protocols import ScalerStats
+from lit_accel.utilities import _compat, _workarounds
+from lit_accel.utilities._validation import check_bool, check_int, check_number
+
+__all__ = ["DynamicGradScaler", "ScalerStats"]
+
+# Integer state kept as int64 0-d device tensors, in this order in ``state_dict()``.
+_COUNTERS = ("overflow_streak", "skipped_steps", "growths", "backoffs", "min_scale_hits", "steps")
+_FLOAT32 = torch.finfo(torch.float32)
+
+
+class DynamicGradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` with hysteresis, ``min_scale``/``max_scale`` and on-device counters.
+
+    Pass it to ``AccelPrecision("16-mixed", scaler=...)``; the plugin places it on the Trainer's device. It also
+    works on its own (a raw loop, or Lightning Fabric's ``MixedPrecision(scaler=...)``): without ``device`` its
+    tensors are created at the first ``scale()``, on the loss's device, as torch's are. ``load_state_dict`` restores
+    state (scale, tracker, streak, counters) but keeps the constructor's settings, so resuming with a lower
+    ``min_scale`` continues a run that stopped at the minimum.
+
+    Args:
+        device: where the scale and counters live; ``None`` decides at ``to(device)`` or the first ``scale()``.
+        init_scale: initial loss scale.
+        growth_factor: scale multiplier after ``growth_interval`` consecutive clean steps (> 1).
+        backoff_factor: scale multiplier after ``hysteresis`` consecutive overflows (in (0, 1)).
+        growth_interval: consecutive clean steps before the scale grows.
+        hysteresis: consecutive overflowing steps tolerated (skipped) before the scale backs off; 1 is torch's rule.
+        min_scale: the scale never backs off below this; an overflow at it counts as a min-scale hit.
+        max_scale: the scale never grows above this.
+        dynamic: ``False`` keeps the scale at ``init_scale`` (static loss scaling); overflowing steps are still
+            skipped and counted.
+
+    Raises:
+        ValueError: a setting out of range. TypeError: a setting of the wrong type.
+        RuntimeError: ``device`` is CUDA on a machine without CUDA.
+
+    Example::
+
+        scaler = DynamicGradScaler(init_scale=2.0**12, hysteresis=2)
+        trainer = Trainer(plugins=[AccelPrecision("16-mixed", scaler=scaler)])
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        *,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        dynamic: bool = True,
+    ) -> None:
+        _validate(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale, dynamic)
+        _compat.check_grad_scaler_skip_hook()
+        target = None if device is None else torch.device(device)
+        super().__init__("cpu" if target is None else target.type, init_scale, growth_factor, backoff_factor,
+                         growth_interval, enabled=True)  # fmt: skip
+        if not self.is_enabled():  # torch disables a "cuda" scaler when CUDA is unavailable (it warned)
+            raise RuntimeError(f"DynamicGradScaler(device={device!r}): CUDA is not available. Fix: pass device=None.")
+        self.hysteresis = hysteresis
+        self.min_scale, self.max_scale = float(min_scale), float(max_scale)
+        self.dynamic = dynamic
+        self._static_scale = float(init_scale)
+        self._home: torch.device | None = None
+        self._counters: dict[str, Tensor] = {}
+        self._pending_counts: dict[str, int] = {}  # loaded before the tensors exist
+        self._first_min_scale_hit: Tensor | None = None
+        # Per optimizer (by id): was its last step skipped? A host bool when ``_maybe_opt_step`` read the flag anyway
+        # (non-fused optimizers), else the 0-d device flag (fused optimizers, which skip on the device).
+        self._host_skipped: dict[int, bool] = {}
+        self._last_skipped: dict[int, bool | Tensor] = {}
+        self._grad_scale: Tensor | None = None
+        if target is not None:
+            self.to(target)
+
+    @classmethod
+    def from_grad_scaler(cls, scaler: torch.amp.GradScaler) -> DynamicGradScaler:
+        """A ``DynamicGradScaler`` that behaves as ``scaler`` does, with its settings and state (one host read).
+
+        torch's rule is hysteresis 1 with an unbounded scale; a disabled scaler becomes static scaling at 1.0.
+        """
+        if isinstance(scaler, cls):
+            return scaler
+        if not scaler.is_enabled():
+            return cls(init_scale=1.0, dynamic=False, min_scale=1.0, max_scale=1.0)
+        adopted = cls(
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            min_scale=_FLOAT32.tiny,
+            max_scale=_FLOAT32.max,
+        )
+        adopted.load_state_dict(scaler.state_dict())
+        return adopted
+
+    # ------------------------------------------------------------------ device
+
+    def to(self, device: str | torch.device) -> DynamicGradScaler:
+        """Create the scale and counters on ``device`` now, or move them there (one host read when moving)."""
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        if self._home == target:
+            return self
+        state = self.state_dict() if self._home is not None else None
+        _compat.reset_grad_scaler_tensors(self, target.type)
+        _compat.init_grad_scaler_tensors(self, target)
+        self._home = target
+        self._counters = {name: torch.zeros((), dtype=torch.int64, device=target) for name in _COUNTERS}
+        # Optimizer step index (0-based) of the first min-scale hit, -1 while there was none.
+        self._first_min_scale_hit = torch.full((), -1, dtype=torch.int64, device=target)
+        self._grad_scale = self._scale_tensor().clone()
+        if state is not None:
+            self.load_state_dict(state)
+        elif self._pending_counts:
+            self._fill_counters(self._pending_counts)
+            self._pending_counts = {}
+        return self
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the scale and the counters (``None`` until they exist)."""
+        return self._home
+
+    def _require(self, what: str) -> None:
+        if self._home is None:
+            raise RuntimeError(
+                f"DynamicGradScaler.{what}(): the scaler has no device yet. Fix: call scaler.to(device) first, or let"
+                " AccelPrecision set it up (during fit)."
+            )
+
+    @override
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's __getstate__ drops the scale and tracker tensors (keeping their values); recreate them here
+        # (ddp_spawn pickles the plugin into its workers).
+        home, self_state = state.get("_home"), dict(state)
+        super().__setstate__(self_state)
+        if home is not None:
+            _compat.init_grad_scaler_tensors(self, home)
+            self._grad_scale = self._scale_tensor().clone()
+
+    # ------------------------------------------------------------------ scaling
+
+    @override
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` by the current scale, and remember it as the scale of the gradients they produce."""
+        if self._home is None and isinstance(outputs, Tensor):
+            self.to(outputs.device)
+        self._require("scale")
+        assert self._grad_scale is not None
+        self._grad_scale.copy_(self._scale_tensor())  # one tiny device copy, no sync
+        return super().scale(outputs)
+
+    @override
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the scale they were computed with (torch divides by the current scale)."""
+        self._require("unscale_")
+        with _workarounds.unscale_with_backward_scale(self, self._grad_scale):
+            super().unscale_(optimizer)
+
+    @override
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``GradScaler.step``, unscaling (or handing fused kernels) the scale the gradients were computed with."""
+        self._require("step")
+        with _workarounds.unscale_with_backward_scale(self, self._grad_scale):
+            return super().step(optimizer, *args, **kwargs)
+
+    def _scale_tensor(self) -> Tensor:
+        scale = _compat.grad_scaler_scale(self)
+        assert scale is not None
+        return scale
+
+    def _tracker_tensor(self) -> Tensor:
+        tracker = _compat.grad_scaler_growth_tracker(self)
+        assert tracker is not None
+        return tracker
+
+    @override
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        # torch's version reads the found-inf flags with .item() and steps unless one is set; doing the same here
+        # keeps that (unavoidable) host value, so callers learn about skips without a second sync.
+        skipped = bool(sum(flag.item() for flag in _compat.optimizer_state_found_infs(optimizer_state)))
+        self._host_skipped[id(optimizer)] = skipped
+        return None if skipped else optimizer.step(*args, **kwargs)
+
+    @override
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """Apply the policy of the module docstring to the flags recorded since the last update.
+
+        ``new_scale`` sets the scale by hand (torch's behaviour) and leaves every counter unchanged.
+        """
+        self._require("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            self._host_skipped.clear()
+            return
+        scale, tracker = self._scale_tensor(), self._tracker_tensor()
+        per_optimizer = _compat.grad_scaler_found_infs(self)
+        if not any(per_optimizer.values()):
+            raise RuntimeError("DynamicGradScaler.update(): no inf checks were recorded since the last update.")
+        total: Tensor | None = None
+        self._last_skipped = {}
+        for key, flags in per_optimizer.items():
+            if not flags:
+                continue
+            flag = flags[0] if len(flags) == 1 else torch.stack([f.to(scale.device) for f in flags]).sum()
+            self._last_skipped[key] = self._host_skipped.get(key, flag)
+            total = flag.to(scale.device) if total is None else total + flag.to(scale.device)
+        self._host_skipped.clear()
+        assert total is not None
+        self._apply_policy(total > 0, scale, tracker)
+        _compat.reset_grad_scaler_iteration(self)
+
+    def _apply_policy(self, overflow: Tensor, scale: Tensor, tracker: Tensor) -> None:
+        c, first = self._counters, self._first_min_scale_hit
+        assert first is not None
+        streak = torch.where(overflow, c["overflow_streak"] + 1, 0)
+        c["skipped_steps"].add_(overflow)
+        if self.dynamic:
+            backoff = overflow & (streak >= self.hysteresis)
+            hit = backoff & (scale <= self.min_scale)
+            tracker_next = torch.where(overflow, 0, tracker + 1)
+            grow = tracker_next >= self._growth_interval
+            new_scale = torch.where(
+                backoff,
+                (scale * self._backoff_factor).clamp_(min=self.min_scale),
+                torch.where(grow, (scale * self._growth_factor).clamp_(max=self.max_scale), scale),
+            )
+            c["growths"].add_(new_scale > scale)
+            c["backoffs"].add_(new_scale < scale)
+            c["min_scale_hits"].add_(hit)
+            first.copy_(torch.where(hit & (first < 0), c["steps"], first))
+            tracker.copy_(torch.where(grow, 0, tracker_next))
+            streak = torch.where(backoff, 0, streak)
+            scale.copy_(new_scale)
+        c["overflow_streak"].copy_(streak)
+        c["steps"].add_(1)
+
+    # ------------------------------------------------------------------ reading
+
+    def last_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool | Tensor | None:
+        """Whether the optimizer's last step was skipped: a host bool when known for free, else a 0-d device flag.
+
+        ``None`` before its first step. Turning a device flag into a bool (``bool(flag)``) is a host sync.
+        """
+        return self._last_skipped.get(id(optimizer))
+
+    def stats(self) -> ScalerStats:
+        """Snapshot of scale and counters as 0-d device tensors (no host sync)."""
+        self._require("stats")
+        c = self._counters
+        return ScalerStats(
+            scale=self._scale_tensor().detach().clone(),
+            growth_tracker=self._tracker_tensor().to(torch.int64),
+            overflow_streak=c["overflow_streak"].clone(),
+            skipped_steps=c["skipped_steps"].clone(),
+            growths=c["growths"].clone(),
+            backoffs=c["backoffs"].clone(),
+        )
+
+    def read_min_scale_state(self) -> tuple[float, int, int]:
+        """``(scale, min_scale_hits, step of the first hit or -1)`` as Python numbers: one host sync."""
+        self._require("read_min_scale_state")
+        assert self._first_min_scale_hit is not None
+        c = self._counters
+        # float64 holds the int64 counters exactly below 2**53.
+        parts = [self._scale_tensor().double(), c["min_scale_hits"].double(), self._first_min_scale_hit.double()]
+        values = torch.stack(parts).tolist()
+        return values[0], int(values[1]), int(values[2])
+
+    def counter(self, name: str) -> Tensor:
+        """One live 0-d int64 counter on the device: one of ``overflow_streak`` ... ``steps`` (see ``state_dict``)."""
+        self._require("counter")
+        return self._counters[name]
+
+    # ------------------------------------------------------------------ checkpointing
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The entries of torch's scaler plus settings, streak and every counter, as Python numbers (syncs)."""
+        state = super().state_dict()
+        if self._home is None:
+            counts = {name: self._pending_counts.get(name, 0) for name in (*_COUNTERS, "first_min_scale_hit")}
+            counts["first_min_scale_hit"] = self._pending_counts.get("first_min_scale_hit", -1)
+        else:
+            assert self._first_min_scale_hit is not None
+            values = torch.stack([*self._counters.values(), self._first_min_scale_hit]).tolist()
+            counts = dict(zip((*_COUNTERS, "first_min_scale_hit"), values))
+        state.update(counts)
+        state.update(hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale)
+        state["dynamic"] = self.dynamic
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (or a plain ``torch.amp.GradScaler``'s; missing counters are 0).
+
+        The constructor's settings win over the saved ones, and the scale is clamped into ``[min_scale, max_scale]``.
+        """
+        settings = (self._growth_factor, self._backoff_factor, self._growth_interval)
+        super().load_state_dict(state_dict)
+        self._growth_factor, self._backoff_factor, self._growth_interval = settings
+        scale = min(max(float(state_dict["scale"]), self.min_scale), self.max_scale)
+        if not self.dynamic:
+            scale = self._static_scale  # a static scale is a setting, not state
+        self._init_scale = scale
+        counts = {name: int(state_dict.get(name, 0)) for name in _COUNTERS}
+        counts["first_min_scale_hit"] = int(state_dict.get("first_min_scale_hit", -1))
+        if self._home is None:
+            self._pending_counts = counts
+            return
+        assert self._grad_scale is not None
+        self._scale_tensor().fill_(scale)
+        self._grad_scale.fill_(scale)
+        self._fill_counters(counts)
+
+    def _fill_counters(self, counts: dict[str, int]) -> None:
+        assert self._first_min_scale_hit is not None
+        for name in _COUNTERS:
+            self._counters[name].fill_(counts.get(name, 0))
+        self._first_min_scale_hit.fill_(counts.get("first_min_scale_hit", -1))
+
+
+def _validate(
+    init_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: float,
+    dynamic: bool,
+) -> None:
+    """The one place the scaler's settings are checked; every message names the value and the fix."""
+    owner = "DynamicGradScaler"
+    check_number(owner, "init_scale", init_scale, fix="pass init_scale=65536.0 (2**16, the usual start)")
+    check_number(owner, "growth_factor", growth_factor, fix="pass growth_factor=2.0")
+    check_number(owner, "backoff_factor", backoff_factor, fix="pass backoff_factor=0.5")
+    check_number(owner, "min_scale", min_scale, fix="pass min_scale=1.0")
+    check_number(owner, "max_scale", max_scale, fix="pass max_scale=16777216.0 (2**24)")
+    check_int(owner, "growth_interval", growth_interval, example=2000)
+    check_int(owner, "hysteresis", hysteresis, example=2)
+    check_bool(owner, "dynamic", dynamic)
+    if growth_factor <= 1:
+        raise ValueError(
+            f"{owner}(growth_factor={growth_factor!r}): must be > 1. Fix: pass growth_factor=2.0, or dynamic=False for"
+            " a scale that never changes."
+        )
+    if not backoff_factor < 1:
+        raise ValueError(f"{owner}(backoff_factor={backoff_factor!r}): must be in (0, 1). Fix: pass 0.5.")
+    if min_scale > init_scale:
+        raise ValueError(
+            f"{owner}(min_scale={min_scale!r}, init_scale={init_scale!r}): min_scale must be <= init_scale. Fix: pass"
+            f" min_scale={init_scale!r} or a larger init_scale."
+        )
+    if max_scale < init_scale or not math.isfinite(max_scale):
+        raise ValueError(
+            f"{owner}(max_scale={max_scale!r}, init_scale={init_scale!r}): max_scale must be >= init_scale. Fix: pass"
+            f" max_scale={max(init_scale, 2.0**24)!r}."
+        )

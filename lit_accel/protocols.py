@@ -1,0 +1,95 @@
+"""The contracts between lit_accel's parts: what the monitors and schedulers read from a strategy or precision plugin.
+
+The callbacks depend on these protocols only, never on lit_accel's classes, so a strategy or precision plugin of your
+own feeds them by implementing the methods below (``docs/extending.md`` shows a minimal one). Every value handed over
+is read without a host-device synchronisation unless its docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+__all__ = ["CommStats", "CommStatsProvider", "ScalerStats", "ScalerStatsProvider", "SkippedStepRecord"]
+
+
+class ScalerStats(NamedTuple):
+    """0-d device tensors describing a loss scaler after its last update; reading them needs no host sync.
+
+    ``scale`` is float32, the rest int64 and cumulative. Stack them and call ``.tolist()`` once, at logging steps.
+    """
+
+    scale: Tensor
+    growth_tracker: Tensor
+    overflow_streak: Tensor
+    skipped_steps: Tensor
+    growths: Tensor
+    backoffs: Tensor
+
+
+@runtime_checkable
+class ScalerStatsProvider(Protocol):
+    """A precision plugin whose fp16 loss scaler the ``LossScaleMonitor`` reads.
+
+    ``loss_scaling`` says whether the loss is scaled at all (``False`` for bf16/fp32: the monitor then logs nothing).
+    """
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether this plugin scales the loss (fp16)."""
+        ...
+
+    def scaler_stats(self) -> ScalerStats:
+        """The scaler's current state as device tensors (no host sync)."""
+        ...
+
+
+@runtime_checkable
+class SkippedStepRecord(Protocol):
+    """A precision plugin that knows whether an optimizer step was skipped (inf/NaN gradients).
+
+    Step-interval LR schedulers made skip-aware by ``AccelPrecision`` ask it after every optimizer step, so the
+    answer must be a host bool (the plugin decides when it is worth a sync).
+    """
+
+    def step_was_skipped(self, optimizer: Optimizer | None = None) -> bool:
+        """Whether the last step of ``optimizer`` (of any optimizer, for ``None``) was skipped."""
+        ...
+
+
+@runtime_checkable
+class CommStats(Protocol):
+    """Counters of a strategy's gradient collectives, cumulative over its life.
+
+    ``calls`` and ``bytes`` are Python ints: collectives issued and the payload bytes they carried per rank (after
+    any compression; a ring all-reduce moves about ``2 (n - 1) / n`` times its payload per rank). Read them and call
+    :meth:`pop_elapsed_s` at logging steps only: they may resolve device events.
+    """
+
+    @property
+    def calls(self) -> int:
+        """Gradient collectives issued so far."""
+        ...
+
+    @property
+    def bytes(self) -> int:
+        """Payload bytes those collectives carried per rank."""
+        ...
+
+    def pop_elapsed_s(self) -> float:
+        """Seconds with a gradient collective in flight since the previous call."""
+        ...
+
+
+@runtime_checkable
+class CommStatsProvider(Protocol):
+    """A strategy that counts its gradient communication for the ``EfficiencyMonitor``."""
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """The strategy's counters."""
+        ...

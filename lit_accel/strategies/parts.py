@@ -1,0 +1,154 @@
+"""``AccelParts``: the strategy-independent parts of a lit_accel strategy, wired into Lightning's strategy hooks.
+
+A strategy lists it before its Lightning base class (``class AccelDDP(AccelParts, DDPStrategy)``) and calls
+:meth:`AccelParts._init_parts` from its constructor. It then gets, without copying any of it: the global-batch rule
+and the exact partial window (:class:`~lit_accel.strategies._global_batch.GlobalBatch`), SyncBatchNorm on every
+backend (:class:`~lit_accel.strategies._batchnorm_sync.BatchNormSync`), the finished-epoch resume fix, and the
+peer-failure explanation. What differs between strategies (how gradients are reduced, counted and skipped) stays in
+the strategy; ``docs/extending.md`` shows a new strategy built this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
+from lit_accel.strategies._batchnorm_sync import BatchNormSync
+from lit_accel.strategies._global_batch import GlobalBatch
+from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
+from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
+from lit_accel.utilities._workarounds import resume_finished_epoch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch.optim import Optimizer
+
+__all__ = ["AccelParts"]
+
+
+class AccelParts:
+    """Mixin for a ``ParallelStrategy`` subclass: global batch, partial window, SyncBN, resume fix, peer failures.
+
+    Example::
+
+        class MyStrategy(AccelParts, DDPStrategy):
+            def __init__(self, *, global_batch_size=None, sync_batchnorm=True, **kwargs):
+                super().__init__(**kwargs)
+                self._init_parts("MyStrategy", global_batch_size=global_batch_size, sync_batchnorm=sync_batchnorm)
+    """
+
+    if TYPE_CHECKING:  # provided by the Lightning strategy this is mixed into
+        world_size: int
+        node_rank: int
+        num_processes: int
+        root_device: torch.device
+        lightning_module: pl.LightningModule | None
+        lr_scheduler_configs: list[Any]
+
+    def _init_parts(
+        self,
+        owner: str,
+        *,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        partial_window: Literal["mean", "lightning"] = "mean",
+        sync_batchnorm: bool | AccelSyncBatchNorm = True,
+    ) -> None:
+        self._accumulation = GlobalBatch(owner, global_batch_size, micro_batch_size, partial_window)
+        self._batchnorm_sync = BatchNormSync(owner, sync_batchnorm)
+        self._attached_trainer: pl.Trainer | None = None  # set in setup(); the strategy's hooks do not receive it
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all devices: the configured value, else micro x accumulation x world."""
+        trainer = self._attached_trainer
+        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
+        size = self._accumulation.global_size(accumulation, self.world_size)
+        return size if trainer is not None or self._accumulation.global_batch_size is not None else None
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per forward/backward on one device, known from fit start (or construction, if given)."""
+        return self._accumulation.resolved_micro_batch_size
+
+    @property
+    def sync_bn_group_size(self) -> int | None:
+        """Ranks per SyncBatchNorm group (``None``: all ranks)."""
+        return self._batchnorm_sync.group_size
+
+    def _check_accumulation(self, accumulation: int) -> None:
+        """Refuse an accumulation the strategy cannot run (AccelDDP: ``static_graph``). Called when it is known."""
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._setup_parts(trainer)
+        super().setup(trainer)  # type: ignore[misc]
+
+    def _setup_parts(self, trainer: pl.Trainer) -> None:
+        """The parts' share of ``setup``: the accumulation when known, and which SyncBN plugin to apply."""
+        self._attached_trainer = trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._accumulation.at_setup(trainer, self.lightning_module, self.world_size)
+            self._check_accumulation(trainer.accumulate_grad_batches)
+            layer_sync = self._batchnorm_sync.resolve(get_layer_sync(self), self.lightning_module, self.world_size)
+            set_layer_sync(self, layer_sync)
+
+    @override
+    def on_train_start(self) -> None:
+        trainer = self._attached_trainer
+        assert trainer is not None
+        self._accumulation.at_train_start(
+            trainer, self.lightning_module, self.world_size, self.root_device, bool(self.lr_scheduler_configs)
+        )
+        self._check_accumulation(trainer.accumulate_grad_batches)
+        super().on_train_start()  # type: ignore[misc]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        # Lightning starts a window at batch_idx % k == 0 and forces a step on an epoch's last batch, so only that
+        # window can be shorter than k.
+        self._accumulation.window_micro_batches += 1
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        trainer, module = self._attached_trainer, self.lightning_module
+        accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
+        automatic = module is None or module.automatic_optimization
+        closure = self._accumulation.wrap_closure(closure, optimizer, accumulation, automatic)
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        finally:
+            self._accumulation.window_micro_batches = 0
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        # Lightning restores the loops right before the optimizers: this is the first strategy hook after that.
+        trainer = self._attached_trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            resume_finished_epoch(trainer)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # type: ignore[misc]
+        # A rank that raised or was killed surfaces on the others as a transport error naming an address; say which
+        # rank ended and how (rank 0 of a popen launch knows its children's exit codes and signals).
+        if self.world_size > 1 and is_peer_loss(exception):
+            first_rank = self.node_rank * self.num_processes
+            children = [(first_rank + local, proc) for local, proc in launched_child_processes(self)]
+            explain_peer_failure(exception, self.world_size, children)

@@ -1,0 +1,240 @@
+"""Every fix lit_accel applies to upstream behaviour, fenced: issue link, affected versions, and a loud test.
+
+Each entry of :data:`WORKAROUNDS` names the upstream bug, the package and the versions it is known to affect (a PEP 440
+specifier; open-ended while unfixed), and the test in ``tests/utilities/test_workarounds.py`` that reproduces the bug
+on plain upstream code. When an upgrade fixes it, that test fails naming the entry: narrow its range to the broken
+versions, and the fix switches itself off on fixed ones (:func:`applies`). Access to private attributes stays in
+``_compat.py``; this module holds behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from lit_accel.utilities import _compat
+
+if TYPE_CHECKING:
+    from lit_accel.protocols import SkippedStepRecord
+
+__all__ = [
+    "WORKAROUNDS",
+    "Workaround",
+    "applies",
+    "check_static_graph_accumulation",
+    "make_skip_aware",
+    "rescale_partial_window_",
+    "resume_finished_epoch",
+    "unscale_with_backward_scale",
+]
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One upstream behaviour lit_accel corrects: where it is reported and which versions have it."""
+
+    package: str
+    affected: str
+    issue: str
+    summary: str
+
+    def applies(self) -> bool:
+        """Whether the installed ``package`` is in the affected range (pre-releases included)."""
+        installed = _installed(self.package)
+        return installed is not None and SpecifierSet(self.affected).contains(installed, prereleases=True)
+
+
+WORKAROUNDS: dict[str, Workaround] = {
+    "partial_window": Workaround(
+        "lightning",
+        ">=2.0",
+        "https://github.com/Lightning-AI/pytorch-lightning/issues/19987",
+        "the last, partial accumulation window of an epoch is divided by the full accumulation count",
+    ),
+    "skip_aware_schedulers": Workaround(
+        "lightning",
+        ">=2.0",
+        "https://github.com/Lightning-AI/pytorch-lightning/issues/5558",
+        "step-interval LR schedulers advance on optimizer steps the loss scaler skipped (also #18828, #21339)",
+    ),
+    "finished_epoch_resume": Workaround(
+        "lightning",
+        ">=2.4",
+        "https://github.com/Lightning-AI/pytorch-lightning/issues/19617",
+        "with max_steps, resuming from an end-of-epoch checkpoint trains one spurious batch (also #19815)",
+    ),
+    "backward_scale_unscale": Workaround(
+        "torch",
+        ">=2.3",
+        "https://pytorch.org/docs/stable/notes/amp_examples.html#working-with-multiple-models-losses-and-optimizers",
+        "GradScaler unscales with the current scale, wrong after an update between a backward and a later step",
+    ),
+    "comm_hooks_on_cpu": Workaround(
+        "lightning",
+        ">=2.0",
+        "https://github.com/Lightning-AI/pytorch-lightning/blob/2.6.0/src/lightning/pytorch/strategies/ddp.py",
+        "DDPStrategy registers DDP comm hooks only on CUDA, silently ignoring them on CPU/gloo",
+    ),
+    "static_graph_no_sync": Workaround(
+        "torch",
+        ">=2.4",
+        "https://github.com/pytorch/pytorch/issues/143580",
+        "DDP(static_graph=True) whose first backward runs under no_sync() fails an internal reducer assertion",
+    ),
+}
+
+
+@cache
+def _installed(package: str) -> Version | None:
+    try:
+        return Version(version(package))
+    except PackageNotFoundError:
+        return None
+
+
+def applies(name: str) -> bool:
+    """Whether the workaround ``name`` of :data:`WORKAROUNDS` is needed with the installed packages."""
+    return WORKAROUNDS[name].applies()
+
+
+# ---------------------------------------------------------------------- Lightning #19987: the partial window
+
+
+def rescale_partial_window_(params: Iterable[torch.Tensor], accumulation: int, micro_batches: int) -> None:
+    """Turn a short window's gradient from Lightning's ``sum / k`` into the mean over its ``m`` micro-batches.
+
+    One fused ``_foreach_mul_`` by ``k / m``, once per epoch. The factor is linear, so it commutes with DDP's
+    all-reduce mean, FSDP's reduce-scatter and a loss scaler's scale (an inf stays an inf).
+    """
+    if not applies("partial_window") or not 0 < micro_batches < accumulation:
+        return
+    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+    if grads:
+        torch._foreach_mul_(grads, accumulation / micro_batches)
+
+
+# ---------------------------------------------------------------------- Lightning #5558: skip-aware schedulers
+
+# scheduler -> "was the last step of your optimizer skipped?". Weak keys, and nothing stored on the scheduler, whose
+# state_dict() is its whole __dict__ (an attribute there would land in every checkpoint).
+_SKIP_SOURCES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
+_SKIP_AWARE_CLASSES: dict[type, type] = {}
+
+
+def make_skip_aware(scheduler: Any, record: SkippedStepRecord) -> bool:
+    """Make ``scheduler.step()`` a no-op after a skipped optimizer step; False if the scheduler cannot be changed.
+
+    The scheduler's class is swapped for a cached subclass that asks ``record.step_was_skipped(optimizer)``; it
+    pickles and deep-copies as the original class, so checkpoints are unchanged.
+    """
+    if not applies("skip_aware_schedulers"):
+        return False
+    record_ref = weakref.ref(record)
+    optimizer = getattr(scheduler, "optimizer", None)
+
+    def should_skip() -> bool:
+        owner = record_ref()
+        return owner is not None and owner.step_was_skipped(optimizer)
+
+    cls = type(scheduler)
+    try:
+        _SKIP_SOURCES[scheduler] = should_skip
+        if not getattr(cls, "_lit_accel_skip_aware", False):
+            scheduler.__class__ = _skip_aware_class(cls)
+    except TypeError:  # not weak-referenceable, or a layout that cannot be subclassed (__slots__)
+        with contextlib.suppress(TypeError):
+            _SKIP_SOURCES.pop(scheduler, None)
+        return False
+    return True
+
+
+def _new_instance(cls: type, *args: Any) -> Any:
+    """``copyreg.__newobj__`` without its class check: unpickles a skip-aware scheduler as its original class."""
+    return cls.__new__(cls, *args)
+
+
+def _skip_aware_class(cls: type) -> type:
+    cached = _SKIP_AWARE_CLASSES.get(cls)
+    if cached is not None:
+        return cached
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        should_skip = _SKIP_SOURCES.get(self)
+        if should_skip is not None and should_skip():
+            return None  # the optimizer did not step: neither does the schedule
+        return cls.step(self, *args, **kwargs)
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        reduced = cls.__reduce_ex__(self, protocol)
+        if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1] and reduced[1][0] is new_cls:
+            func = _new_instance if reduced[0] is copyreg.__newobj__ else reduced[0]
+            reduced = (func, (cls, *reduced[1][1:]), *reduced[2:])
+        return reduced
+
+    new_cls = type(
+        f"SkipAware{cls.__name__}",
+        (cls,),
+        {"step": step, "__reduce_ex__": __reduce_ex__, "_lit_accel_skip_aware": True, "__module__": __name__},
+    )
+    _SKIP_AWARE_CLASSES[cls] = new_cls
+    return new_cls
+
+
+# ---------------------------------------------------------------------- Lightning #19617: finished-epoch resume
+
+
+def resume_finished_epoch(trainer: Any) -> bool:
+    """After the loops are restored: a checkpoint taken after an epoch's last batch resumes at the next epoch.
+
+    With ``max_steps`` set, Lightning keeps the fit loop "restarting" after any load, and a restored finished epoch
+    then trains one spurious batch (index ``num_batches``, data of batch 0). With ``max_epochs`` only it takes its
+    exact path; clearing the flag makes ``max_steps`` runs take the same one. Call it from the strategy's
+    ``load_optimizer_state_dict`` (the first strategy hook after the loops are restored). Returns whether it acted.
+    """
+    if not applies("finished_epoch_resume"):
+        return False
+    return _compat.clear_finished_epoch_restart(trainer)
+
+
+# ---------------------------------------------------------------------- torch: unscale with the backward's scale
+
+
+@contextlib.contextmanager
+def unscale_with_backward_scale(scaler: torch.amp.GradScaler, scale: torch.Tensor | None) -> Iterator[None]:
+    """Let ``GradScaler.unscale_``/``step`` divide by ``scale`` (the backward's) instead of the current scale.
+
+    They differ when an ``update()`` ran between a backward and another optimizer's step fed by it: Lightning
+    updates after every optimizer, torch's recipe once per iteration.
+    """
+    if scale is None or not applies("backward_scale_unscale"):
+        yield
+        return
+    with _compat.grad_scaler_scale_swapped(scaler, scale):
+        yield
+
+
+# ---------------------------------------------------------------------- torch: static_graph + no_sync
+
+
+def check_static_graph_accumulation(owner: str, static_graph: bool, accumulation: int) -> None:
+    """Refuse ``static_graph=True`` with accumulation: Lightning's first micro-batch runs under ``no_sync()``.
+
+    Raises:
+        ValueError: both are set on an affected torch.
+    """
+    if static_graph and accumulation > 1 and applies("static_graph_no_sync"):
+        raise ValueError(
+            f"{owner}(static_graph=True) cannot be combined with gradient accumulation (accumulate_grad_batches="
+            f"{accumulation}): DDP's static graph fails under the no_sync() of non-final micro-batches. Fix: pass"
+            " static_graph=False."
+        )
