@@ -19,14 +19,23 @@ __version__ = "0.2.0"
 from lit_accel.callbacks import EfficiencyMonitor, LossScaleMonitor
 from lit_accel.meters import EfficiencyMeter, LossScaleMeter
 from lit_accel.plugins import AccelPrecision, AccelSyncBatchNorm, DynamicGradScaler, SyncBatchNorm
-from lit_accel.protocols import CommStats, CommStatsProvider, ScalerStats, ScalerStatsProvider, SkippedStepRecord
-from lit_accel.strategies import AccelDDP, AccelParts
+from lit_accel.protocols import (
+    BusBytes,
+    CommStats,
+    CommStatsProvider,
+    ScalerStats,
+    ScalerStatsProvider,
+    SkippedStepRecord,
+)
+from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParts
 
 __all__ = [
     "AccelDDP",
+    "AccelFSDP",
     "AccelParts",
     "AccelPrecision",
     "AccelSyncBatchNorm",
+    "BusBytes",
     "CommStats",
     "CommStatsProvider",
     "DynamicGradScaler",

@@ -14,7 +14,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-__all__ = ["CommStats", "CommStatsProvider", "ScalerStats", "ScalerStatsProvider", "SkippedStepRecord"]
+__all__ = ["BusBytes", "CommStats", "CommStatsProvider", "ScalerStats", "ScalerStatsProvider", "SkippedStepRecord"]
 
 
 class ScalerStats(NamedTuple):
@@ -82,6 +82,18 @@ class CommStats(Protocol):
 
     def pop_elapsed_s(self) -> float:
         """Seconds with a gradient collective in flight since the previous call."""
+        ...
+
+
+@runtime_checkable
+class BusBytes(Protocol):
+    """Optional, on a ``CommStats`` whose collectives are not all all-reduces (FSDP's all-gathers, reduce-scatters).
+
+    Without it the ``EfficiencyMonitor`` takes every collective for an all-reduce (ring traffic ``2 (n - 1) / n``).
+    """
+
+    def bus_bytes(self, world_size: int) -> float:
+        """Bytes per rank the ring algorithms move for the collectives counted so far (nccl-tests' busbw)."""
         ...
 
 

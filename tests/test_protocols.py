@@ -132,8 +132,8 @@ def test_a_third_party_strategy_and_precision_feed_both_monitors():
         assert result["calls"] == STEPS  # one bucket per step: the tiny model fits one bucket
         last = result["last"]
         assert last["amp/loss_scale"] == SCALE and last["amp/skipped_steps"] == 1
-        assert result["summary"]["allreduce_gb_per_step"] == result["gradient_bytes"] / 1e9
+        assert result["summary"]["comm_gb_per_step"] == result["gradient_bytes"] / 1e9
         if rank == 0:  # Lightning's loggers write on rank 0
             skipped = [metrics["amp/skipped_steps"] for _, metrics in result["scale_rows"]]
             assert skipped == [0, 0, 0, 1, 1, 1]  # the non-finite step 3, counted by the plugin, seen by the monitor
-            assert all("perf/allreduce_gb_per_step" in m for _, m in result["perf_rows"])
+            assert all("perf/comm_gb_per_step" in m for _, m in result["perf_rows"])

@@ -40,7 +40,7 @@ class EfficiencyMonitor(Callback):
     and backward) unless ``flops_per_sample`` is given. Keys (after ``log_key_prefix``): ``samples_per_sec``,
     ``samples_per_sec_per_device``, ``items_per_sec`` (with ``items_fn``), ``step_time_ms``, ``data_wait_frac``,
     ``tflops_per_device``, ``mfu``, ``peak_memory_gb`` (CUDA), ``step_time_spread``, ``scaling_efficiency``,
-    ``allreduce_gb_per_step``, ``allreduce_busbw_gbps``, ``allreduce_time_frac``; formulas in ``docs/monitors.md``.
+    ``comm_gb_per_step``, ``comm_busbw_gbps``, ``comm_time_frac``; formulas in ``docs/monitors.md``.
 
     Args:
         warmup_steps: optimizer steps not measured (at least 1 while FLOPs are counted).

@@ -24,6 +24,7 @@ class RankWindow:
     peak_memory_bytes: float = 0.0
     flops: float = 0.0
     comm_bytes: float = 0.0
+    comm_bus_bytes: float = 0.0
     comm_s: float = 0.0
 
     def vector(self) -> list[float]:
@@ -91,9 +92,9 @@ def window_metrics(
         out["scaling_efficiency"] = per_device / config.baseline_samples_per_sec
     comm_bytes, comm_s = sum(r.comm_bytes for r in rows) / n, sum(r.comm_s for r in rows) / n
     if has_comm and comm_bytes > 0:
-        out["allreduce_gb_per_step"] = comm_bytes / steps / 1e9
+        out["comm_gb_per_step"] = comm_bytes / steps / 1e9
         if comm_s > 0 and n > 1:
-            # nccl-tests' bus bandwidth: a ring all-reduce moves 2 (n - 1) / n x the payload per rank.
-            out["allreduce_busbw_gbps"] = comm_bytes / comm_s * 2 * (n - 1) / n / 1e9
-            out["allreduce_time_frac"] = sum(r.comm_s / r.window_s for r in rows if r.window_s > 0) / n
+            # nccl-tests' bus bandwidth: the bytes the ring algorithms move per rank, over the time.
+            out["comm_busbw_gbps"] = sum(r.comm_bus_bytes for r in rows) / n / comm_s / 1e9
+            out["comm_time_frac"] = sum(r.comm_s / r.window_s for r in rows if r.window_s > 0) / n
     return out, mfu_excess

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_accel.meters._efficiency_metrics import EfficiencyConfig, RankWindow, window_metrics
+from lit_accel.protocols import BusBytes
 from lit_accel.utilities._timing import IntervalTimer, synchronize
 from lit_accel.utilities._validation import check_int, check_number
 
@@ -43,6 +44,7 @@ class _Progress:
     paused_at_step: float = 0.0
     in_forward: bool = False
     comm_bytes_at_start: float = 0.0
+    comm_bus_bytes_at_start: float = 0.0
     window: RankWindow = field(default_factory=RankWindow)
     device_counts: dict[str, list[Tensor]] = field(default_factory=lambda: {"samples": [], "items": []})
 
@@ -205,7 +207,7 @@ class EfficiencyMeter:
         p = self._progress
         p.window_start, p.paused_in_window, p.window = now, 0.0, RankWindow()
         if self.comm_stats is not None:
-            p.comm_bytes_at_start = float(self.comm_stats.bytes)
+            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = self._comm_totals()
             self.comm_stats.pop_elapsed_s()  # drop the warm-up collectives
 
     # ------------------------------------------------------------------ logging steps
@@ -237,8 +239,9 @@ class EfficiencyMeter:
             w.peak_memory_bytes = float(torch.cuda.max_memory_allocated(self.device))
         w.flops = (self.config.flops_per_sample or 0.0) * w.samples
         if self.comm_stats is not None:
-            total_bytes = float(self.comm_stats.bytes)
-            w.comm_bytes, p.comm_bytes_at_start = total_bytes - p.comm_bytes_at_start, total_bytes
+            total, bus = self._comm_totals()
+            w.comm_bytes, w.comm_bus_bytes = total - p.comm_bytes_at_start, bus - p.comm_bus_bytes_at_start
+            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = total, bus
             w.comm_s = float(self.comm_stats.pop_elapsed_s())
         rows = self._gather(w, dtype)
         window_s = max(r.window_s for r in rows)
@@ -261,6 +264,14 @@ class EfficiencyMeter:
         summary = self._metrics(self._totals, self._total_window_s)
         summary["measured_steps"] = self._totals[0].steps
         return summary
+
+    def _comm_totals(self) -> tuple[float, float]:
+        """Cumulative payload bytes and ring ("bus") bytes of the strategy's collectives (all-reduce unless told)."""
+        assert self.comm_stats is not None
+        total, n = float(self.comm_stats.bytes), self.world_size
+        if isinstance(self.comm_stats, BusBytes):
+            return total, float(self.comm_stats.bus_bytes(n))
+        return total, total * 2 * (n - 1) / n if n > 1 else 0.0
 
     def _gather(self, window: RankWindow, dtype: torch.dtype) -> list[RankWindow]:
         # One path for any world size: the window as one small device tensor, gathered when there are peers.

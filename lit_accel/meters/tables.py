@@ -21,9 +21,9 @@ _EFFICIENCY_ROWS = (
     ("peak memory (GB)", "peak_memory_gb", "{:,.2f}"),
     ("straggler spread (max/min busy)", "step_time_spread", "{:.3f}"),
     ("scaling efficiency", "scaling_efficiency", "{:.1%}"),
-    ("all-reduce GB per step", "allreduce_gb_per_step", "{:.4f}"),
-    ("all-reduce bus bandwidth (GB/s)", "allreduce_busbw_gbps", "{:,.2f}"),
-    ("all-reduce in flight (% of step)", "allreduce_time_frac", "{:.1%}"),
+    ("gradient comm GB per step", "comm_gb_per_step", "{:.4f}"),
+    ("comm bus bandwidth (GB/s)", "comm_busbw_gbps", "{:,.2f}"),
+    ("comm in flight (% of step)", "comm_time_frac", "{:.1%}"),
     ("measured optimizer steps", "measured_steps", "{:.0f}"),
 )
 

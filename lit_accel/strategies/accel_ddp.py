@@ -83,6 +83,8 @@ class AccelDDP(AccelParts, DDPStrategy):
         trainer = Trainer(accelerator="gpu", devices=4, strategy=AccelDDP(global_batch_size=1024, comm_hook="bf16"))
     """
 
+    registry_names = _START_METHODS
+
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -134,13 +136,7 @@ class AccelDDP(AccelParts, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_parts(
-            name,
-            global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
-            partial_window=partial_window,
-            sync_batchnorm=sync_batchnorm,
-        )
+        self._init_parts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm)
         self._comm_hook, self._comm_state, self._comm_wrapper = hook, state, wrapper
         self._comm_stats: HookCommStats | DDPLoggingCommStats = (
             HookCommStats() if hook is not None else DDPLoggingCommStats()
@@ -238,16 +234,6 @@ class AccelDDP(AccelParts, DDPStrategy):
         if self._round_counter is not None:
             self._round_counter.detach()  # keeps the totals, drops the DDP model (and its buckets)
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``accel_ddp``, ``accel_ddp_spawn``, ``accel_ddp_fork`` and ``accel_ddp_notebook`` (idempotent)."""
-        for name, start_method in _START_METHODS.items():
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"AccelDDP with start_method {start_method!r}", start_method=start_method
-                )
 
 
 def _merge_aliases(owner: str, lightning: dict[str, Any], ours: dict[str, Any]) -> tuple[Any, Any, Any]:

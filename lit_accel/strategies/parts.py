@@ -51,10 +51,20 @@ class AccelParts:
         lightning_module: pl.LightningModule | None
         lr_scheduler_configs: list[Any]
 
+    #: Registry names and their launch methods, for ``register_strategies`` (e.g. ``{"accel_ddp": "popen"}``).
+    registry_names: dict[str, str] = {}  # noqa: RUF012 - a class-level table, replaced by each strategy
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the strategy under each of its :attr:`registry_names` (idempotent: present names are kept)."""
+        for name, start_method in cls.registry_names.items():
+            if name not in strategy_registry:
+                description = f"{cls.__name__} with start_method {start_method!r}"
+                strategy_registry.register(name, cls, description=description, start_method=start_method)
+
     def _init_parts(
         self,
         owner: str,
-        *,
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",

@@ -105,7 +105,7 @@ def test_window_arithmetic_under_accumulation_4_is_exact(tmp_path):
     assert tail["perf/samples_per_sec"] == 8 / 2.0
     assert tail["perf/data_wait_frac"] == 0.5 / 2.0
     # No GPU, one process: no memory, spread or communication keys.
-    assert not {"perf/peak_memory_gb", "perf/step_time_spread", "perf/allreduce_gb_per_step"} & set(first)
+    assert not {"perf/peak_memory_gb", "perf/step_time_spread", "perf/comm_gb_per_step"} & set(first)
 
     # Averages over the measured steps only (warm-up excluded): 24 samples in 6 s over 2 optimizer steps.
     s = monitor.summary
@@ -369,7 +369,7 @@ def _check_ddp_run(tmp_path: Path, strategy_name: str) -> tuple[list[dict[str, s
 
 def test_two_process_ddp_with_accumulation_2(tmp_path):
     perf, _ = _check_ddp_run(tmp_path, "ddp")
-    assert "perf/allreduce_gb_per_step" not in perf[0] or not perf[0]["perf/allreduce_gb_per_step"]
+    assert "perf/comm_gb_per_step" not in perf[0] or not perf[0]["perf/comm_gb_per_step"]
 
 
 @pytest.mark.parametrize("strategy_name", ["accel_ddp", "accel_ddp_hooked"])
@@ -378,10 +378,10 @@ def test_two_process_accel_ddp_reports_all_reduce_volume(tmp_path, strategy_name
     # DDP all-reduces every gradient once per optimizer step: bytes per step = the parameters' bytes. Without a hook
     # the time is DDP's sampled per-round time x rounds; with one it is measured: both are a share of the window.
     for r in perf:
-        assert float(r["perf/allreduce_gb_per_step"]) * 1e9 == pytest.approx(results[0]["grad_bytes"], rel=1e-9)
-        busbw = float(r["perf/allreduce_busbw_gbps"])
+        assert float(r["perf/comm_gb_per_step"]) * 1e9 == pytest.approx(results[0]["grad_bytes"], rel=1e-9)
+        busbw = float(r["perf/comm_busbw_gbps"])
         assert busbw > 0 and math.isfinite(busbw)
-        assert 0.0 < float(r["perf/allreduce_time_frac"]) < 1.0
+        assert 0.0 < float(r["perf/comm_time_frac"]) < 1.0
 
 
 def test_validate_outside_fit_leaves_the_monitor_untouched():

@@ -40,7 +40,7 @@ COMPARED = {
     "tflops_per_device",
     "mfu",
     "step_time_spread",
-    "allreduce_gb_per_step",
+    "comm_gb_per_step",
 }
 
 
@@ -145,7 +145,7 @@ def test_a_raw_ddp_loop_gets_the_callbacks_figures():
             assert set(ours) >= COMPARED, ours
             assert {k: ours.get(k) for k in COMPARED} == {k: theirs.get(k) for k in COMPARED}
         assert raw["windows"][0]["step_time_ms"] == 1000.0 * (DATA + FORWARD + BACKWARD)
-        assert raw["windows"][0]["allreduce_gb_per_step"] > 0
+        assert raw["windows"][0]["comm_gb_per_step"] > 0
         assert {k: raw["summary"][k] for k in COMPARED if k in raw["summary"]} == {
             k: lightning["summary"][k] for k in COMPARED if k in raw["summary"]
         }

@@ -1,0 +1,137 @@
+"""Which modules AccelFSDP shards, and how: FSDP2's ``fully_shard`` per block and then on the root.
+
+A *sharding policy* names the blocks: ``"auto"`` (the class that repeats most often inside a ``ModuleList`` or
+``Sequential``, such as timm's ViT ``Block`` or a ResNet's ``BasicBlock``), a module class or tuple of classes, a
+minimum parameter count (every smallest subtree holding at least that many parameters not already in a block), or a
+callable ``module -> bool``. Blocks are sharded innermost first, then the root, as torchtitan does; activation
+checkpointing wraps the blocks first (``torch.distributed._composable.checkpoint``: no module or key changes).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from lit_accel.utilities._compat import composable_checkpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ShardPolicy", "check_policy", "find_blocks", "shard_model"]
+
+ShardPolicy = Literal["auto"] | type | tuple[type, ...] | int | Callable[[nn.Module], bool]
+
+
+def check_policy(owner: str, name: str, policy: object) -> None:
+    """Check a policy argument's type at construction; raise naming the value and the fix."""
+    ok = (
+        policy == "auto"
+        or isinstance(policy, type)
+        or (isinstance(policy, tuple) and policy and all(isinstance(t, type) for t in policy))
+        or (isinstance(policy, int) and not isinstance(policy, bool) and policy > 0)
+        or (callable(policy) and not isinstance(policy, str))
+    )
+    if not ok:
+        raise TypeError(
+            f"{owner}({name}={policy!r}): expected 'auto', a module class (or tuple of classes), a positive minimum"
+            " parameter count or a callable module -> bool. Fix: pass e.g. timm's Block class, or 'auto'."
+        )
+
+
+def _repeated_class(model: nn.Module) -> type | None:
+    """The module class that repeats most inside containers (ties: the one holding more parameters)."""
+    counts: Counter[type] = Counter()
+    sizes: dict[type, int] = {}
+    for container in model.modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential)) and len(container) > 1:
+            for child in container:
+                n = sum(p.numel() for p in child.parameters())
+                if n:
+                    counts[type(child)] += 1
+                    sizes[type(child)] = max(sizes.get(type(child), 0), n)
+    repeated = [cls for cls, count in counts.items() if count > 1]
+    return max(repeated, key=lambda cls: (counts[cls], sizes[cls])) if repeated else None
+
+
+def find_blocks(owner: str, model: nn.Module, policy: ShardPolicy, arg: str = "shard_policy") -> list[nn.Module]:
+    """The modules ``policy`` selects in ``model`` (the root excluded), outermost first.
+
+    Raises:
+        ValueError: a class policy that matches no module of ``model``.
+    """
+    if policy == "auto":
+        cls = _repeated_class(model)
+        selected: Callable[[nn.Module], bool] = (lambda m: isinstance(m, cls)) if cls else (lambda m: False)
+    elif isinstance(policy, (type, tuple)):
+        classes = policy if isinstance(policy, tuple) else (policy,)
+        selected = lambda m: isinstance(m, classes)  # noqa: E731
+        if not any(selected(m) for m in model.modules() if m is not model):
+            found = _repeated_class(model)
+            hint = f" (its repeated block is {found.__name__})" if found else ""
+            names = ", ".join(c.__name__ for c in classes)
+            raise ValueError(
+                f"{owner}({arg}={names}): the model has no such module{hint}. Fix: pass one of the model's module"
+                " classes, or 'auto'."
+            )
+    elif isinstance(policy, int):
+        return _by_size(model, policy)
+    else:
+        selected = policy  # type: ignore[assignment]
+    blocks, taken = [], set()
+    for module in model.modules():
+        if module is not model and selected(module) and not any(id(p) in taken for p in module.parameters()):
+            blocks.append(module)
+            taken.update(id(p) for p in module.parameters())
+    return blocks
+
+
+def _by_size(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Smallest subtrees (bottom-up) holding ``min_params`` parameters not already in a chosen subtree."""
+    blocks: list[nn.Module] = []
+    taken: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        free = sum(p.numel() for p in module.parameters() if id(p) not in taken)
+        if free >= min_params:
+            blocks.append(module)
+            taken.update(id(p) for p in module.parameters())
+
+    visit(model)
+    return blocks[::-1]
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    blocks: list[nn.Module],
+    *,
+    reshard_after_forward: bool,
+    mp_policy: Any,
+    offload_policy: Any,
+    checkpointed: list[nn.Module],
+) -> None:
+    """Checkpoint ``checkpointed``, then ``fully_shard`` each block (innermost first) and the root, in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    checkpoint = composable_checkpoint()
+    for module in checkpointed:
+        checkpoint(module)
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for block in reversed(blocks):
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> Any:
+    """FSDP2's policy: parameters cast to ``param_dtype`` for compute, gradients reduced in ``reduce_dtype``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)

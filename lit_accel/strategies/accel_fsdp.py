@@ -1,0 +1,260 @@
+"""AccelFSDP: sharded data parallel on FSDP2 (``fully_shard``) with every guarantee AccelDDP gives."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
+from lit_accel.strategies import _fsdp_sharding as sharding
+from lit_accel.strategies._backend import backend_for_device, check_backend_spec
+from lit_accel.strategies._fsdp_comm import FSDPCommStats, install_counting_comms
+from lit_accel.strategies.parts import AccelParts
+from lit_accel.utilities import _compat
+from lit_accel.utilities._validation import check_bool, check_choice
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import Tensor
+
+    from lit_accel.protocols import CommStats
+
+__all__ = ["AccelFSDP"]
+
+_START_METHODS = {
+    "accel_fsdp": "popen",
+    "accel_fsdp_spawn": "spawn",
+    "accel_fsdp_fork": "fork",
+    "accel_fsdp_notebook": "fork",
+}
+_DDP_ONLY = ("static_graph", "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "comm_hook",
+             "ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")  # fmt: skip
+_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+class AccelFSDP(AccelParts, ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2, ZeRO-3) with the global batch, exact windows, SyncBN and counted comms.
+
+    Parameters, gradients and optimizer state are sharded over all ranks (``fully_shard`` on each block of the
+    model, then the root), so each rank holds 1/N of them. With ``AccelPrecision("bf16-mixed"|"16-mixed")`` the
+    blocks compute in bf16/fp16 through FSDP2's ``MixedPrecisionPolicy`` (fp32 master shards, gradients reduced in
+    ``reduce_dtype``); fp16 loss scaling skips a step on every rank when any rank's shard overflows. Non-final
+    micro-batches skip the reduce-scatter. A model whose ``configure_model`` shards itself (as for Lightning's
+    ``ModelParallelStrategy``, with ``self.device_mesh``) is left as it is. Details: ``docs/strategies.md``.
+
+    Args:
+        process_group_backend, timeout, start_method: as for ``AccelDDP``.
+        global_batch_size, micro_batch_size, partial_window, sync_batchnorm: as for ``AccelDDP``.
+        shard_policy: the blocks to shard: ``"auto"`` (the model's repeated block class), a class or tuple of
+            classes, a minimum parameter count, or a callable ``module -> bool``.
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3, default) or keep them to backward
+            (ZeRO-2 style: less communication, more memory).
+        reduce_dtype: dtype of the gradient reduce-scatter under mixed precision (``None``: the compute dtype).
+        cpu_offload: keep parameters, gradients and optimizer state on the CPU (the optimizer steps there).
+        activation_checkpointing: recompute each block's activations in backward: ``True`` (the sharded blocks), or
+            a policy like ``shard_policy``.
+        state_dict_type: ``"full"`` (one file of plain tensors, loadable into the unsharded model) or ``"sharded"``
+            (a distributed-checkpoint directory, for models too big to gather).
+
+    Raises:
+        TypeError: a DDP-only argument or a wrong type. ValueError: an unknown option; at setup: a policy class the
+            model does not have.
+
+    Example::
+
+        trainer = Trainer(accelerator="gpu", devices=8, strategy=AccelFSDP(global_batch_size=1024),
+                          plugins=[AccelPrecision("bf16-mixed")])
+    """
+
+    registry_names = _START_METHODS
+
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        partial_window: Literal["mean", "lightning"] = "mean",
+        sync_batchnorm: bool | AccelSyncBatchNorm = True,
+        shard_policy: sharding.ShardPolicy = "auto",
+        reshard_after_forward: bool = True,
+        reduce_dtype: torch.dtype | None = torch.float32,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool | sharding.ShardPolicy = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        **kwargs: Any,
+    ) -> None:
+        name = type(self).__name__
+        ddp_only = sorted(set(kwargs) & set(_DDP_ONLY))
+        if ddp_only:
+            raise TypeError(
+                f"{name}({ddp_only[0]}=...) is a DDP argument; FSDP shards instead of all-reducing. Fix: drop it, or"
+                " use AccelDDP."
+            )
+        if kwargs:
+            raise TypeError(f"{name} got unknown argument(s) {sorted(kwargs)}. Fix: see AccelFSDP's arguments.")
+        check_backend_spec(name, process_group_backend)
+        check_choice(name, "start_method", start_method, ("popen", "spawn", "fork", "forkserver"), "'popen'")
+        check_choice(name, "state_dict_type", state_dict_type, ("full", "sharded"), "'full'")
+        for flag, value in (("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload)):
+            check_bool(name, flag, value)
+        sharding.check_policy(name, "shard_policy", shard_policy)
+        if activation_checkpointing is not False and activation_checkpointing is not True:
+            sharding.check_policy(name, "activation_checkpointing", activation_checkpointing)
+        if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+            raise TypeError(f"{name}(reduce_dtype={reduce_dtype!r}): expected a torch.dtype. Fix: torch.float32.")
+        super().__init__(
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._init_parts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm)
+        self._start_method = start_method
+        self.shard_policy = shard_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_dtype = reduce_dtype
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing = activation_checkpointing
+        self.state_dict_type = state_dict_type
+        self._comm_stats = FSDPCommStats()
+        self._sync_blocked = False
+        self._fsdp_roots: list[Any] = []  # the outermost FSDP modules, whose gradient sync accumulation switches off
+        #: The modules ``fully_shard`` was applied to by this strategy (empty when ``configure_model`` sharded).
+        self.sharded_modules: list[torch.nn.Module] = []
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """All-gather and reduce-scatter counters for the ``EfficiencyMonitor`` (see ``FSDPCommStats``)."""
+        return self._comm_stats
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # load_checkpoint restores the optimizers already; True only so that Lightning calls load_optimizer_state_dict
+        # (AccelParts' resume fix) right after it restored the loops, the one moment the fix can act.
+        return True
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint.setdefault("optimizer_states", [])  # loaded above; Lightning only checks the key is there
+        return checkpoint
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _compat.strategy_launcher(self, self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._process_group_backend is not None:
+            backend_for_device(type(self).__name__, self._process_group_backend, self.root_device)
+        # One data-parallel dimension over every rank (Lightning's "auto" would be one rank per node).
+        _compat.set_model_parallel_sizes(self, self.num_nodes * self.num_processes, 1)
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's ModelParallelStrategy.setup, with SyncBN and automatic sharding when the model has none."""
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        self._setup_parts(trainer)
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError(f"{type(self).__name__} shards with FSDP2; the model holds FSDP1 wrappers. Fix: drop them.")
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            self.model = self._layer_sync.apply(self.model)
+        _compat.materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            self._shard(self.model)
+        install_counting_comms(self.model, self._comm_stats)
+        self._fsdp_roots = self._top_fsdp_modules()
+        self.barrier()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        name = type(self).__name__
+        blocks = sharding.find_blocks(name, model, self.shard_policy)
+        ac = self.activation_checkpointing
+        if isinstance(ac, bool):
+            checkpointed = blocks if ac else []
+        else:
+            checkpointed = sharding.find_blocks(name, model, ac, "activation_checkpointing")
+        precision = self.precision_plugin
+        param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
+        pin = self.root_device.type == "cuda"  # pinned host memory needs a CUDA driver
+        sharding.shard_model(
+            model,
+            self.device_mesh["data_parallel"],  # 1-D: a 2-D mesh would make fully_shard replicate (HSDP)
+            blocks,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=sharding.mixed_precision_policy(param_dtype, self.reduce_dtype),
+            offload_policy=CPUOffloadPolicy(pin_memory=pin) if self.cpu_offload else OffloadPolicy(),
+            checkpointed=checkpointed,
+        )
+        self.sharded_modules = [*blocks, model]
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches accumulate unsharded gradients locally: no reduce-scatter."""
+        modules = self._fsdp_roots
+        for module in modules:
+            module.set_requires_gradient_sync(False)
+        self._sync_blocked = True
+        try:
+            yield
+        finally:
+            self._sync_blocked = False
+            for module in modules:
+                module.set_requires_gradient_sync(True)
+
+    def _top_fsdp_modules(self) -> list[Any]:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            return [self.model]
+        found: list[Any] = []
+        for module in self.model.modules() if self.model is not None else ():
+            inside = any(module in set(top.modules()) for top in found)
+            if isinstance(module, FSDPModule) and not inside:
+                found.append(module)
+        return found
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if not self._sync_blocked:
+            self._comm_stats.rounds += 1  # this backward reduce-scattered every group
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # loaded in load_checkpoint; this runs AccelParts' resume fix
+
+    @override
+    def teardown(self) -> None:
+        if self._layer_sync is not None and self.model is not None:
+            self.model = self._layer_sync.revert(self.model)
+        super().teardown()
