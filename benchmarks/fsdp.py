@@ -30,7 +30,7 @@ from typing import Any
 import _common
 import torch
 import torch.distributed as dist
-from overhead import build_net, make_loader
+from overhead import build_net, make_loader, shard_like_accel_fsdp
 
 ARMS = ("accel_fsdp", "model_parallel", "accel_ddp")
 TARGET = 1.05  # issue #15: AccelFSDP step time <= 1.05 x ModelParallelStrategy's
@@ -74,17 +74,7 @@ def run_arm(arm: str, args: Any, loader: Any, world_size: int) -> tuple[list[flo
     if arm == "model_parallel":
         strategy: Any = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
 
-        def configure_model() -> None:
-            from torch.distributed.fsdp import fully_shard
-
-            from lit_accel.strategies._fsdp_sharding import find_blocks
-
-            mesh = module.device_mesh["data_parallel"]
-            for block in reversed(find_blocks("benchmark", module, "auto")):  # the blocks AccelFSDP picks
-                fully_shard(block, mesh=mesh)
-            fully_shard(module, mesh=mesh)
-
-        module.configure_model = configure_model  # type: ignore[method-assign]
+        module.configure_model = lambda: shard_like_accel_fsdp(module, None)  # type: ignore[method-assign]
     else:
         strategy = AccelFSDP() if arm == "accel_fsdp" else AccelDDP()
     probe = Probe()

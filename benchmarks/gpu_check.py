@@ -1,6 +1,6 @@
 """The CUDA acceptance check of lit_accel: one script, under 8 minutes on one GPU, a short table printed last.
 
-Four checks, each a row (or a few) of the final table:
+Nine checks, each a row (or a few) of the final table:
 
 1. **fp16 loss scaling works on CUDA.** ``AccelPrecision("16-mixed", scaler=DynamicGradScaler(growth_interval=4))``
    trains a small regression
@@ -32,8 +32,33 @@ Four checks, each a row (or a few) of the final table:
    running statistics), with the profiler showing ``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
    ``batch_norm_elemt``, ``batch_norm_backward_reduce`` and ``batch_norm_backward_elemt`` in torch's run.
 
+Checks 5-9 (in ``_gpu_checks_more.py``) train ViT-B/16 at ``min(--batch, 128)`` images with fused AdamW and
+``AccelPrecision``, 3 warm-up and 10 timed steps on a fixed batch already on the GPU; each arm (strategy, precision,
+compiled or not) is one fit, run once and shared by the checks that compare against it:
+
+5. **AccelFSDP trains on one GPU.** ``AccelFSDP()`` (a world of one, FSDP2 over a one-device mesh) with
+   ``bf16-mixed``: the loss is finite and falls, by at least half as much as ``AccelDDP``'s from the same weights;
+   images/s against ``AccelDDP`` is reported.
+6. **Compiled blocks are faster and train the same.** ``AccelDDP(compile=True)`` (inductor, each block compiled
+   before DDP wraps it; compilation in the warm-up) against eager, ``bf16-mixed``: images/s must not drop, and the
+   first 3 losses agree within 4 bf16 rounding units (relative 2**-6).
+7. **FP8 is real and pays off.** ``AccelPrecision("fp8-mixed")`` (torchao float8) against ``bf16-mixed``, eager and
+   compiled: images/s and the ``EfficiencyMonitor``'s MFU; ``float8_report`` must show converted layers on FP8 tensor
+   cores (compute capability >= 8.9; emulated below, and on CPU) and finite losses; with compile, FP8 must beat bf16
+   on such a GPU.
+8. **MemoryMonitor's activations are what the allocator holds.** On a ``bf16-mixed`` fit at 32 images, the saved
+   activations plus autocast's saved weight copies (``activations_mb + param_casts_mb``) are within 25% of the
+   growth of ``torch.cuda.memory_allocated()`` from the first batch's start to its ``on_before_backward``, and
+   ``peak_allocated_mb`` is reported.
+9. **micro_batch_size="auto" finds a size that fits.** ``AccelDDP(global_batch_size=256, micro_batch_size="auto")``
+   with loaded batches of 256 under ``torch.cuda.set_per_process_memory_fraction``, set from a measured per-sample
+   footprint so that 256 and 128 run out of memory and 64 fits: a change is recorded, the run finishes with a smaller
+   micro-batch, and the fraction is restored to 1.0.
+
 ``--dry-run`` runs the same code on CPU with tiny shapes (gloo instead of NCCL, the host-read count instead of the CUDA
-debug mode, no fused SyncBN kernels, no MFU without a peak) so the script is known to work before GPU time is spent.
+debug mode, no fused SyncBN kernels, no MFU without a peak, ``aot_eager`` instead of inductor, emulated FP8, no
+allocator to compare with and no memory cap) so the script is known to work before GPU time is spent; what only a GPU
+can judge is reported as INFO.
 The exit code is 1 when a check fails.
 
 Run (from the repository root)::
@@ -53,6 +78,7 @@ import warnings
 from typing import Any
 
 import _common
+import _gpu_checks_more
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -591,7 +617,13 @@ def check_syncbn(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
 # ------------------------------------------------------------------------------------------- main
 
 
-CHECKS = {"loss_scaling": check_loss_scaling, "syncs": check_syncs, "vit": check_vit, "syncbn": check_syncbn}
+CHECKS = {
+    "loss_scaling": check_loss_scaling,
+    "syncs": check_syncs,
+    "vit": check_vit,
+    "syncbn": check_syncbn,
+    **_gpu_checks_more.CHECKS,
+}
 
 
 def _print_table(rows: list[Row], title: str) -> None:

@@ -9,7 +9,12 @@ AdamW, bf16 autocast on CPU, DDP with ``gradient_as_bucket_view=True`` and 25 Mi
 * ``lightning``: ``Trainer(strategy=DDPStrategy(gradient_as_bucket_view=True),
   plugins=[MixedPrecision("bf16-mixed", "cpu")])``, no callbacks;
 * ``lit_accel``: ``Trainer(strategy=AccelDDP(), plugins=[AccelPrecision("bf16-mixed")],
-  callbacks=[LossScaleMonitor(), EfficiencyMonitor(print_summary=False)])``.
+  callbacks=[LossScaleMonitor(), EfficiencyMonitor(print_summary=False)])`` (AccelDDP adds its HangWatchdog);
+* ``full_stack``: ``lit_accel`` plus ``MemoryMonitor`` (SyncBN is on by default; the ViT has no BatchNorm);
+* ``accel_fsdp``: ``AccelFSDP()`` + ``AccelPrecision("bf16-mixed")``, against ``model_parallel``: Lightning's
+  ``ModelParallelStrategy`` + ``MixedPrecision`` with the ``configure_model`` that shards the same blocks with the
+  same ``MixedPrecisionPolicy`` (``shard_like_accel_fsdp``);
+* ``lit_accel_compiled`` (``--arms``, or ``benchmarks/compile.py``): ``lit_accel`` with ``AccelDDP(compile=True)``.
 
 (``AccelDDP`` lets gradients alias DDP's buckets by default; plain ``DDPStrategy`` does not, so the Lightning arm is
 given the same setting: the ratio measures lit_accel's own per-step code, not a DDP default. ``--arms`` can add
@@ -53,9 +58,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-ARMS = ("raw", "lightning", "lit_accel", "lightning_defaults")
-DEFAULT_ARMS = ("raw", "lightning", "lit_accel")
+ARMS = ("raw", "lightning", "lit_accel", "lightning_defaults", "full_stack", "lit_accel_compiled", "accel_fsdp",
+        "model_parallel")  # fmt: skip
+DEFAULT_ARMS = ("raw", "lightning", "lit_accel", "full_stack", "accel_fsdp", "model_parallel")
 TARGET = 1.01  # issue #9: lit_accel / plain Lightning <= 1.01
+FULL_STACK_TARGET = 1.02  # issue #18: everything on / plain Lightning <= 1.02
 
 
 def build_net(kind: str) -> nn.Module:
@@ -108,14 +115,31 @@ def run_raw(args: Any, loader: DataLoader) -> tuple[list[float], list[float]]:
     return stamps, cpu
 
 
+def shard_like_accel_fsdp(module: Any, param_dtype: torch.dtype | None) -> None:
+    """The ``configure_model`` ModelParallelStrategy needs: ``fully_shard`` the blocks AccelFSDP picks, then the net.
+
+    The net, not the LightningModule, is the root: its ``forward`` is what ``training_step`` calls, and FSDP2 gathers
+    a root's own parameters in its forward hooks.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lit_accel.strategies._fsdp_sharding import find_blocks
+
+    mesh = module.device_mesh["data_parallel"]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in reversed(find_blocks("benchmark", module.net, "auto")):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(module.net, mesh=mesh, mp_policy=policy)
+
+
 def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tuple[list[float], list[float]]:
     """One Lightning fit of the arm; returns the step-start stamps (wall clock, process CPU time)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins import MixedPrecision
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+    from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
 
     class StepClock(Callback):
         def __init__(self) -> None:
@@ -128,10 +152,19 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
 
     clock = StepClock()
     callbacks: list[Callback] = [clock]
-    if arm == "lit_accel":
-        strategy: Any = AccelDDP()
-        plugins: list[Any] = [AccelPrecision("bf16-mixed")]
+    module = _common.classifier(build_net(args.model), lambda params: _optimizer(params, args.lr))
+    plugins: list[Any] = [AccelPrecision("bf16-mixed")]
+    if arm in ("lit_accel", "lit_accel_compiled", "full_stack"):
+        strategy: Any = AccelDDP(compile=arm == "lit_accel_compiled")
         callbacks += [LossScaleMonitor(), EfficiencyMonitor(print_summary=False)]
+        if arm == "full_stack":  # SyncBN is on by default (a ViT has no BatchNorm to convert)
+            callbacks.append(MemoryMonitor(print_summary=False))
+    elif arm == "accel_fsdp":
+        strategy = AccelFSDP()
+    elif arm == "model_parallel":
+        strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+        module.configure_model = lambda: shard_like_accel_fsdp(module, torch.bfloat16)  # type: ignore[method-assign]
+        plugins = [MixedPrecision("bf16-mixed", device="cpu")]
     else:
         strategy = DDPStrategy(gradient_as_bucket_view=True) if arm == "lightning" else DDPStrategy()
         plugins = [MixedPrecision("bf16-mixed", device="cpu")]
@@ -146,7 +179,6 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
         use_distributed_sampler=False,
         **_common.QUIET_TRAINER,
     )
-    module = _common.classifier(build_net(args.model), lambda params: _optimizer(params, args.lr))
     trainer.fit(module, train_dataloaders=loader)
     return clock.stamps, clock.cpu
 
@@ -218,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     ratios: dict[str, Any] = {}
     pairs = [("lit_accel", "lightning"), ("lightning", "raw"), ("lit_accel", "raw")]
-    pairs += [("lightning", "lightning_defaults"), ("lit_accel", "lightning_defaults")]
+    pairs += [("lightning", "lightning_defaults"), ("lit_accel", "lightning_defaults"), ("full_stack", "lightning")]
+    pairs += [("lit_accel_compiled", "lit_accel"), ("accel_fsdp", "model_parallel")]
     for num, den in pairs:
         if num in per_rep and den in per_rep:
             a, b = per_rep[num], per_rep[den]
@@ -266,6 +299,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["overhead_ratio_cpu_time"] = headline["cpu"]["median"]
         result["target"] = TARGET
         result["target_met"] = headline["median_step"]["median"] <= TARGET
+    full = ratios.get("full_stack/lightning")
+    if full is not None:
+        result["full_stack_ratio"] = full["median_step"]["median"]
+        result["full_stack_target"] = FULL_STACK_TARGET
+        result["full_stack_target_met"] = full["median_step"]["median"] <= FULL_STACK_TARGET
 
     def span(stats: dict[str, float], fmt: str) -> str:
         return f"{stats['q1']:{fmt}}-{stats['q3']:{fmt}}"

@@ -1,170 +1,238 @@
-"""Forward+backward time of the portable SyncBatchNorm vs local BatchNorm2d, on CPU processes joined by gloo.
+"""Forward+backward time of the portable SyncBatchNorm vs local BatchNorm, on CPU processes joined by gloo.
 
-Each of ``--world-size`` processes (one intra-op thread each) runs, interleaved in one loop, a training-mode
-forward+backward of
+Each of ``--world-size`` processes (one intra-op thread each) runs three interleaved arms per repetition, in an order
+rotated every repetition so that drift in machine load hits every arm alike:
 
-* ``local_bn``: ``torch.nn.BatchNorm2d`` on its own batch (no communication: what DDP without sync does), and
+* ``local_bn``: ``torch.nn.BatchNorm1d/2d`` on its own batch, training forward + backward (what DDP without sync does);
 * ``portable_syncbn``: :class:`lit_accel.plugins.sync_batchnorm.SyncBatchNorm` over the whole group (one fused
-  ``all_reduce`` of ``2C+1`` numbers in forward, one of ``2C`` in backward),
+  ``all_reduce`` of ``2C+1`` numbers in forward, one of ``2C`` in backward);
+* ``all_reduces``: the two bare collectives of the same payloads: the communication the sync cannot avoid.
 
-on a ResNet-like activation (default: 8 samples per rank, 64 channels, 56x56). A step's time is the slowest rank's;
-the JSON gives the median over ``--reps`` repetitions, the ratio portable/local, and the latency of one bare
-``all_reduce`` of the forward's payload (how much of the difference is communication). The order of the two variants
-alternates every repetition so that drift in machine load hits both alike.
+for three cases (``--cases``): a ResNet-like activation ``nchw`` (default 8 x 64 x 56 x 56 per rank), the same in
+``channels_last``, and ``bn1d``, an ``(N, C)`` input of an MLP (default 256 x 1024). A repetition's time is the slowest
+rank's. The JSON gives, per case, the medians, the median of the per-repetition ratio portable / local (with its
+quartiles), the *communication limit* ``(local + all_reduces) / local`` (the ratio of a sync that added nothing but its
+two collectives), the same ratio in CPU time of the ranks' threads (waiting and descheduled time left out: the compute
+overhead, steadier than wall time on a loaded machine) and rank 0's page faults per arm (see ``--keep-freed-memory``).
 
 Run (from the repository root)::
 
-    python benchmarks/syncbn.py                      # writes benchmarks/results/syncbn.json
-    python benchmarks/syncbn.py --reps 50 --channels-last --out /tmp/syncbn_cl.json
+    python benchmarks/syncbn.py                  # writes benchmarks/results/syncbn.json and syncbn.md
+    python benchmarks/syncbn.py --keep-freed-memory --out /tmp/syncbn_no_faults.json
+    python benchmarks/syncbn.py --cases nchw --reps 100 --out /tmp/syncbn_nchw.json
+    python benchmarks/syncbn.py --tiny           # small shapes, a few repetitions: a smoke test
 
-``python benchmarks/syncbn.py --help``::
-
-    --world-size N     processes (default 2)
-    --batch N          samples per rank (default 8)
-    --channels C       channels (default 64)
-    --size S           height = width (default 56)
-    --reps R           timed repetitions per variant (default 50)
-    --warmup W         untimed repetitions first (default 3)
-    --channels-last    use channels_last memory format
-    --out PATH         JSON output (default benchmarks/results/syncbn.json)
+``python benchmarks/syncbn.py --help`` lists the options (world size, shapes, repetitions, cases).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import socket
-import statistics
 import sys
 import time
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import _common
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "syncbn.json"
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
 
-
-def _parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    group = parser.add_argument_group("shape")
-    group.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
-    group.add_argument("--batch", type=int, default=8, help="samples per rank (default 8)")
-    group.add_argument("--channels", type=int, default=64, help="channels (default 64)")
-    group.add_argument("--size", type=int, default=56, help="height = width (default 56)")
-    group.add_argument("--channels-last", action="store_true", help="use channels_last memory format")
-    group = parser.add_argument_group("timing")
-    group.add_argument("--reps", type=int, default=50, help="timed repetitions per variant (default 50)")
-    group.add_argument("--warmup", type=int, default=3, help="untimed repetitions first (default 3)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
-    return parser.parse_args(argv)
+CASES = ("nchw", "channels_last", "bn1d")
+_ARMS = ("local_bn", "portable_syncbn", "all_reduces")
+# The JSON's top-level "median_ms" and "ratio_portable_over_local" are this case's (the script's original output).
+DEFAULT_CASE = "nchw"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _parse(argv: list[str] | None) -> Any:
+    p = _common.parser("syncbn", __doc__)
+    g = p.add_argument_group("shapes")
+    g.add_argument("--world-size", type=_common.positive_int, default=2, help="processes")
+    g.add_argument("--batch", type=_common.positive_int, default=8, help="samples per rank (nchw, channels_last)")
+    g.add_argument("--channels", type=_common.positive_int, default=64, help="channels (nchw, channels_last)")
+    g.add_argument("--size", type=_common.positive_int, default=56, help="height = width (nchw, channels_last)")
+    g.add_argument("--bn1d-batch", type=_common.positive_int, default=256, help="samples per rank (bn1d)")
+    g.add_argument("--bn1d-features", type=_common.positive_int, default=1024, help="features C (bn1d)")
+    g = p.add_argument_group("timing")
+    g.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="which inputs to measure")
+    g.add_argument("--reps", type=_common.positive_int, default=60, help="timed repetitions per arm and case")
+    g.add_argument("--warmup", type=_common.positive_int, default=5, help="untimed repetitions first")
+    g.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc: keep freed memory in the process (no re-mapping, no page faults) so that neither arm pays them",
+    )
+    g.add_argument("--tiny", action="store_true", help="small shapes and 3 repetitions (smoke test)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch, args.channels, args.size, args.bn1d_batch, args.bn1d_features = 2, 8, 6, 16, 32
+        args.reps, args.warmup = 3, 1
+    return args
 
 
-def _step(layer: torch.nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> float:
-    dist.barrier()  # start together: a rank's time must not include waiting for a late peer's previous step
-    start = time.perf_counter()
-    out = layer(x)
-    out.backward(upstream)
-    elapsed = time.perf_counter() - start
-    x.grad = None
-    return elapsed
+def _shape(args: Any, case: str) -> tuple[int, ...]:
+    if case == "bn1d":
+        return (args.bn1d_batch, args.bn1d_features)
+    return (args.batch, args.channels, args.size, args.size)
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+def _keep_freed_memory() -> None:
+    # glibc returns a freed multi-MB block to the OS and maps a fresh one at the next allocation: one page fault per
+    # 4 KiB page, paid by whichever arm allocates next, a matter of allocation order rather than of the layer. High
+    # mmap and trim thresholds (what jemalloc/tcmalloc users get anyway) keep such blocks for reuse.
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>; 32 MiB is glibc's largest mmap threshold on 64 bits
+    if not (libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 1 << 25)):
+        raise RuntimeError("--keep-freed-memory: glibc's mallopt refused the thresholds. Fix: run without it.")
+
+
+def _rank(rank: int, world_size: int, args: Any) -> dict[str, dict[str, list[float]]]:
+    import torch
+
+    if args.keep_freed_memory:
+        _keep_freed_memory()
+    torch.manual_seed(rank)
+    return {case: _measure(args, case) for case in args.cases}
+
+
+def _minor_faults() -> int:
+    # Page faults of this thread: a fresh multi-MB allocation that glibc maps from the OS pays one per 4 KiB page, so
+    # an arm's time depends on the allocator's state as well as on its kernels; the JSON reports them per arm.
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt if hasattr(resource, "RUSAGE_THREAD") else 0
+
+
+def _measure(args: Any, case: str) -> dict[str, list[float]]:
+    """Per-repetition wall times (s, slowest rank), CPU times (s, this thread, slowest rank) and page faults (this
+    rank) of the three arms of one case, plus the forward's collective alone."""
+    import torch
+    import torch.distributed as dist
+
     from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=args.world_size,
-        timeout=timedelta(seconds=120),
-    )
-    torch.manual_seed(rank)
-    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
-    shape = (args.batch, args.channels, args.size, args.size)
+    shape = _shape(args, case)
+    fmt = torch.channels_last if case == "channels_last" else torch.contiguous_format
     x = torch.randn(shape).contiguous(memory_format=fmt).requires_grad_()
     upstream = torch.randn(shape).contiguous(memory_format=fmt)
-    layers = {"local_bn": torch.nn.BatchNorm2d(args.channels), "portable_syncbn": SyncBatchNorm(args.channels)}
-    times: dict[str, list[float]] = {name: [] for name in layers}
+    channels = shape[1]
+    layers = {
+        "local_bn": torch.nn.BatchNorm1d(channels) if len(shape) == 2 else torch.nn.BatchNorm2d(channels),
+        "portable_syncbn": SyncBatchNorm(channels),
+    }
+    # The payloads of the layer's collectives: [Σx, Σx², n] in float64, [Σdy, Σdy·x̂] in float32.
+    fwd_payload = torch.zeros(2 * channels + 1, dtype=torch.float64)
+    bwd_payload = torch.zeros(2 * channels)
+    arms = list(_ARMS)
+    wall: dict[str, list[float]] = {name: [] for name in (*arms, "fwd_only")}
+    cpu: dict[str, list[float]] = {f"cpu_{name}": [] for name in arms}
+    faults: dict[str, list[float]] = {f"faults_{name}": [] for name in arms}
     for rep in range(args.warmup + args.reps):
-        order = list(layers) if rep % 2 == 0 else list(reversed(layers))
-        for name in order:
-            elapsed = _step(layers[name], x, upstream)
+        for name in _common.rotated(arms, rep):
+            dist.barrier()  # start together: a rank's time must not include waiting for a late peer's previous step
+            start, start_cpu, start_faults = time.perf_counter(), time.thread_time(), _minor_faults()
+            if name == "all_reduces":
+                dist.all_reduce(fwd_payload)
+                fwd_only = time.perf_counter() - start
+                dist.all_reduce(bwd_payload)
+            else:
+                layers[name](x).backward(upstream)
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+            x.grad = None
             if rep >= args.warmup:
-                times[name].append(elapsed)
+                wall[name].append(elapsed)
+                cpu[f"cpu_{name}"].append(elapsed_cpu)
+                faults[f"faults_{name}"].append(_minor_faults() - start_faults)
+                if name == "all_reduces":
+                    wall["fwd_only"].append(fwd_only)
+    slowest = {name: _common.slowest_rank(values) for name, values in {**wall, **cpu}.items()}
+    return {**slowest, **faults}
 
-    payload = torch.zeros(2 * args.channels + 1, dtype=torch.float64)
-    latency = []
-    for rep in range(args.warmup + args.reps):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(payload)
-        if rep >= args.warmup:
-            latency.append(time.perf_counter() - start)
-    times["all_reduce_payload"] = latency
 
-    # The step time is the slowest rank's, repetition by repetition.
-    per_rank = torch.tensor([times[name] for name in times], dtype=torch.float64)
-    dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        queue.put({name: per_rank[i].tolist() for i, name in enumerate(times)})
-    dist.destroy_process_group()
+def _summary(args: Any, case: str, times: dict[str, list[float]]) -> dict[str, Any]:
+    ms = {name: [1e3 * t for t in values] for name, values in times.items() if not name.startswith("faults_")}
+    local, portable, comm = ms["local_bn"], ms["portable_syncbn"], ms["all_reduces"]
+    limit = [(a + c) / a for a, c in zip(local, comm)]
+    return {
+        "input_per_rank": list(_shape(args, case)),
+        "memory_format": "channels_last" if case == "channels_last" else "contiguous",
+        "median_ms": {
+            "local_bn_fwd_bwd": round(_common.summarize(local)["median"], 3),
+            "portable_syncbn_fwd_bwd": round(_common.summarize(portable)["median"], 3),
+            "all_reduces_fwd_bwd": round(_common.summarize(comm)["median"], 3),
+            # The script's original key: the forward's collective alone.
+            "all_reduce_2C+1_fp64": round(_common.summarize(ms["fwd_only"])["median"], 3),
+        },
+        "ms": {"local_bn": _common.summarize(local), "portable_syncbn": _common.summarize(portable)},
+        "median_cpu_ms": {name: round(_common.summarize(ms[f"cpu_{name}"])["median"], 3) for name in _ARMS},
+        "ratio_portable_over_local": _common.summarize(_common.paired_ratios(portable, local)),
+        "communication_limit_ratio": _common.summarize(limit),
+        # CPU time of the rank's thread (descheduled time and waits excluded): the compute overhead alone, less
+        # sensitive to a shared machine's load than wall time.
+        "cpu_ratio_portable_over_local": _common.summarize(
+            _common.paired_ratios(ms["cpu_portable_syncbn"], ms["cpu_local_bn"])
+        ),
+        "rank0_minor_page_faults_per_step": {
+            name: _common.summarize(times[f"faults_{name}"])["median"] for name in ("local_bn", "portable_syncbn")
+        },
+    }
+
+
+def _table(cases: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for name, c in cases.items():
+        r, lim, cpu = c["ratio_portable_over_local"], c["communication_limit_ratio"], c["cpu_ratio_portable_over_local"]
+        rows.append(
+            [
+                name,
+                " x ".join(map(str, c["input_per_rank"])),
+                c["median_ms"]["local_bn_fwd_bwd"],
+                c["median_ms"]["portable_syncbn_fwd_bwd"],
+                f"{r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})",
+                c["median_ms"]["all_reduces_fwd_bwd"],
+                f"{lim['median']:.3f}",
+                f"{cpu['median']:.3f}",
+            ]
+        )
+    headers = [
+        "case",
+        "input per rank (fp32)",
+        "local BN fwd+bwd (ms)",
+        "portable SyncBN fwd+bwd (ms)",
+        "ratio portable / local (IQR)",
+        "its 2 all-reduces (ms)",
+        "communication limit",
+        "CPU-time ratio",
+    ]
+    return _common.markdown_table(headers, rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, args, port, queue)) for rank in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    times = queue.get(timeout=600)
-    for proc in procs:
-        proc.join()
-    median_ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
-    result = {
+    per_rank = _common.launch(_rank, args.world_size, args, timeout=1800)
+    cases = {case: _summary(args, case, per_rank[0][case]) for case in args.cases}
+    result: dict[str, Any] = {
         "benchmark": "syncbn",
-        "command": " ".join(["python benchmarks/syncbn.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": _common.command_line("syncbn.py", argv),
         "setup": {
             "world_size": args.world_size,
             "backend": "gloo",
             "device": "cpu",
             "threads_per_rank": 1,
-            "input_per_rank": [args.batch, args.channels, args.size, args.size],
-            "memory_format": "channels_last" if args.channels_last else "contiguous",
             "dtype": "float32",
             "reps": args.reps,
             "warmup": args.warmup,
-            "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
+            "keep_freed_memory": args.keep_freed_memory,
+            "machine": _common.machine_info(),
         },
-        "median_ms": {
-            "local_bn_fwd_bwd": round(median_ms["local_bn"], 3),
-            "portable_syncbn_fwd_bwd": round(median_ms["portable_syncbn"], 3),
-            "all_reduce_2C+1_fp64": round(median_ms["all_reduce_payload"], 3),
-        },
-        "ratio_portable_over_local": round(median_ms["portable_syncbn"] / median_ms["local_bn"], 3),
+        "cases": cases,
     }
-    print(json.dumps(result, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if DEFAULT_CASE in cases:
+        result["median_ms"] = cases[DEFAULT_CASE]["median_ms"]
+        result["ratio_portable_over_local"] = cases[DEFAULT_CASE]["ratio_portable_over_local"]["median"]
+    _common.write_outputs(result, args.out, _table(cases))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -35,12 +35,15 @@ Commands::
     python examples/vit.py --accelerator cpu --devices 2 --model resnet18 --img-size 32
     # for comparison: Lightning's own DDP strategy in full fp32
     python examples/vit.py --devices 8 --strategy ddp --precision 32-true
+    # the same case study as a LightningCLI program, every setting in one YAML file (see examples/vit_cli.py)
+    python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml
 
 Settings come from the flags, over an optional ``--config`` YAML file (keys are the flags' names), over defaults that
 depend on the data: the digits preset (``vit_digits``, 16 px, 32 images per optimizer step, 30 epochs, lr 2e-3) or the
 seed's recipe for ``synthetic`` and ImageFolder data. Everything a run produces goes to ``--output-dir`` (default
 ``runs/vit``): ``config.yaml`` (the resolved settings, reusable with ``--config``), ``metrics.csv`` (CSVLogger),
-``checkpoints/last.ckpt``, ``efficiency.json`` (EfficiencyMonitor's report) and ``results.json`` (the final table).
+``checkpoints/last.ckpt``, ``efficiency.json`` and ``memory.json`` (the monitors' reports, each with a ``.png``
+beside it; ``loss_scale.json`` too under ``16-mixed``) and ``results.json`` (the final table).
 Configuration errors (unknown model, missing data, a global batch that does not divide) end with one ``error:`` line
 and exit status 2.
 """
@@ -82,7 +85,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 import lit_accel
-from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
 
 # A ViT small enough for 8x8 digits on a CPU: timm's ViT-Tiny at width 96, depth 4, 3 heads (~0.45 M parameters), with
 # 4x4 patches on the 16x16 upsampled digits, i.e. one token per 2x2 block of original pixels (16 tokens + class token).
@@ -113,7 +116,7 @@ IMAGENET_DEFAULTS: dict[str, Any] = {
 SYNTHETIC_EPOCHS = 1  # one pass over 1.28 M synthetic images is a throughput run, not a training run
 CPU_DEVICES = 1
 WARMUP_FRACTION = 0.05
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "fp8-mixed")
 # Strategies whose processes are started by multiprocessing (spawn/fork) train in children and hand only the weights
 # and metrics back to this process: its trainer never sees the steps, and the closing validation would start new
 # processes. This script therefore runs script-launched strategies (Lightning's "popen" launcher, or torchrun).
@@ -397,6 +400,8 @@ class ImageClassifier(pl.LightningModule):
             norms, biases and position embeddings, as in the DeiT/timm recipes).
         warmup_steps: linear warm-up in optimizer steps; ``None`` takes 5% of the run.
         channels_last: move the input batches to channels-last memory format.
+        input_shape: ``(channels, height, width)`` of one image: Lightning's model summary runs one such (zero) image
+            through the model to show the layers' FLOPs and input/output sizes.
     """
 
     def __init__(
@@ -407,10 +412,13 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: float,
         warmup_steps: int | None,
         channels_last: bool = False,
+        input_shape: tuple[int, int, int] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["net"])
         self.net = net
+        if input_shape is not None:
+            self.example_input_array = torch.zeros(1, *input_shape)
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")  # top-1 over all images
         self.last_val_step = -1
         self.synced_batchnorms = 0
@@ -484,6 +492,7 @@ def build_strategy(args: argparse.Namespace, num_batchnorms: int) -> Any:
             sync_batchnorm=args.sync_bn,
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.batch_size if args.global_batch_size is not None else None,
+            compile=args.compile,  # each block compiled before DDP wraps / FSDP shards it
         )
     if args.sync_bn and num_batchnorms and args.world_size > 1:
         echo(
@@ -517,9 +526,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     num_batchnorms = count_batchnorms(net)
     if args.channels_last:
         net = net.to(memory_format=torch.channels_last)
-    if args.compile:
-        net.compile()
-    module = ImageClassifier(net, spec.num_classes, args.lr, args.weight_decay, args.warmup_steps, args.channels_last)
+    if args.compile and args.strategy not in ("accel_ddp", "accel_fsdp"):
+        net.compile()  # Lightning's strategies: the whole net (lit_accel's compile the blocks, in the strategy)
+    module = ImageClassifier(
+        net,
+        spec.num_classes,
+        args.lr,
+        args.weight_decay,
+        args.warmup_steps,
+        args.channels_last,
+        input_shape=(spec.in_chans, args.img_size, args.img_size),
+    )
     datamodule = ImageDataModule(spec, args.batch_size, args.num_workers, pin_memory=_uses_cuda(args.accelerator))
 
     # AccelPrecision for every precision: fp16 gets dynamic loss scaling, bf16 and fp32 a guard that refuses to write
@@ -532,9 +549,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # One checkpoint, the latest; a re-run into the same directory replaces it (as it replaces the CSV logs).
         ModelCheckpoint(output_dir / "checkpoints", filename="last", save_top_k=1, enable_version_counter=False),
         efficiency,
+        MemoryMonitor(report_path=output_dir / "memory.json", print_summary=False),
     ]
     if args.precision == "16-mixed":  # the only precision with a loss scale to watch
-        callbacks.append(LossScaleMonitor())
+        callbacks.append(LossScaleMonitor(report_path=output_dir / "loss_scale.json"))
     strategy = build_strategy(args, num_batchnorms)
     try:
         trainer = pl.Trainer(
@@ -631,11 +649,20 @@ def collect_results(
         "tflops_per_device": summary.get("tflops_per_device"),
         "mfu": summary.get("mfu"),
         "comm_time_frac": summary.get("comm_time_frac"),
+        "comm_exposed_frac": summary.get("comm_exposed_frac"),
         "skipped_steps": getattr(precision, "skipped_steps", 0),
         "loss_scale": getattr(precision, "loss_scale", None),
         "fit_seconds": fit_seconds,
         "output_dir": str(args.output_dir),
     }
+
+
+def flops_per_second(tflops: float | None) -> str:
+    """A CPU run reads "21.4 GFLOP/s", not "0.02 TFLOP/s"."""
+    if tflops is None:
+        return "n/a"
+    unit, scale = next((u, x) for u, x in (("TFLOP/s", 1.0), ("GFLOP/s", 1e-3), ("MFLOP/s", 0.0)) if tflops >= x)
+    return f"{tflops / (scale or 1e-6):,.3g} {unit}"
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -658,9 +685,10 @@ def print_table(results: dict[str, Any]) -> None:
         ("samples/s (all devices)", fmt(results["samples_per_sec"], ",.1f")),
         ("optimizer step time", fmt(results["step_time_ms"], ",.1f", " ms")),
         ("data wait (share of step)", fmt(results["data_wait_frac"], ".1%")),
-        ("TFLOP/s per device", fmt(results["tflops_per_device"], ".2f")),
+        ("FLOP/s per device", flops_per_second(results["tflops_per_device"])),
         ("MFU", fmt(results["mfu"], ".1%", unknown="n/a (unknown peak)")),
         ("gradient comm in flight (share of step)", fmt(results["comm_time_frac"], ".1%")),
+        ("gradient comm exposed (share of step)", fmt(results["comm_exposed_frac"], ".1%")),
         ("skipped optimizer steps (inf/NaN)", str(results["skipped_steps"])),
         ("loss scale", fmt(results["loss_scale"], ".0f") if results["precision"] == "16-mixed" else "none (no fp16)"),
         ("fit time", fmt(results["fit_seconds"], ".1f", " s")),

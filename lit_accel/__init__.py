@@ -3,22 +3,35 @@
 Example::
 
     from lightning.pytorch import Trainer
-    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
 
     trainer = Trainer(
         accelerator="gpu",
         devices=8,
         strategy=AccelDDP(global_batch_size=1024),
         plugins=[AccelPrecision("bf16-mixed")],
-        callbacks=[LossScaleMonitor(), EfficiencyMonitor()],
+        callbacks=[LossScaleMonitor(), EfficiencyMonitor(), MemoryMonitor()],  # AccelDDP adds a HangWatchdog
     )
 """
 
 __version__ = "0.2.0"
 
-from lit_accel.callbacks import EfficiencyMonitor, LossScaleMonitor
-from lit_accel.meters import EfficiencyMeter, LossScaleMeter
-from lit_accel.plugins import AccelPrecision, AccelSyncBatchNorm, DynamicGradScaler, SyncBatchNorm
+from lit_accel.callbacks import (
+    EfficiencyMonitor,
+    HangWatchdog,
+    LossScaleMonitor,
+    MemoryMonitor,
+    ProgressWatchdog,
+)
+from lit_accel.meters import EfficiencyMeter, LossScaleMeter, MemoryMeter
+from lit_accel.plugins import (
+    AccelPrecision,
+    AccelSyncBatchNorm,
+    DynamicGradScaler,
+    Float8Conversion,
+    Float8Report,
+    SyncBatchNorm,
+)
 from lit_accel.protocols import (
     BusBytes,
     CommStats,
@@ -41,8 +54,14 @@ __all__ = [
     "DynamicGradScaler",
     "EfficiencyMeter",
     "EfficiencyMonitor",
+    "Float8Conversion",
+    "Float8Report",
+    "HangWatchdog",
     "LossScaleMeter",
     "LossScaleMonitor",
+    "MemoryMeter",
+    "MemoryMonitor",
+    "ProgressWatchdog",
     "ScalerStats",
     "ScalerStatsProvider",
     "SkippedStepRecord",

@@ -14,7 +14,15 @@ from torch import Tensor
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-__all__ = ["BusBytes", "CommStats", "CommStatsProvider", "ScalerStats", "ScalerStatsProvider", "SkippedStepRecord"]
+__all__ = [
+    "BusBytes",
+    "CommStats",
+    "CommStatsProvider",
+    "ExposedComm",
+    "ScalerStats",
+    "ScalerStatsProvider",
+    "SkippedStepRecord",
+]
 
 
 class ScalerStats(NamedTuple):
@@ -94,6 +102,23 @@ class BusBytes(Protocol):
 
     def bus_bytes(self, world_size: int) -> float:
         """Bytes per rank the ring algorithms move for the collectives counted so far (nccl-tests' busbw)."""
+        ...
+
+
+@runtime_checkable
+class ExposedComm(Protocol):
+    """Optional, on a ``CommStats``: how long this rank waited for its gradient collectives (what overlap did not hide).
+
+    Without it the ``EfficiencyMonitor`` logs no ``comm_exposed_frac``/``compute_frac``, and its straggler attribution
+    leaves the backward (which holds the wait) out of a rank's own time.
+    """
+
+    def pop_exposed_s(self) -> float:
+        """Seconds this rank waited for gradient collectives after its local compute was done, since the previous call.
+
+        Called at logging steps only (it may resolve device events): the time from the end of the backward's compute
+        to the completion of its last collective (and, for sharded strategies, waits for parameter all-gathers).
+        """
         ...
 
 

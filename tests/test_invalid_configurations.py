@@ -277,7 +277,12 @@ CONSTRUCTION_ROWS: dict[str, tuple[Callable[[], Any], Row]] = {
     ),
     "accel_precision-unknown_precision": (
         lambda: AccelPrecision("fp8"),  # type: ignore[arg-type]
-        Row(ValueError, r"precision='fp8'\)", r"'16-mixed', 'bf16-mixed', '32-true'", r"Fix: pass precision="),
+        Row(
+            ValueError,
+            r"precision='fp8'\)",
+            r"'16-mixed', 'bf16-mixed', 'fp8-mixed', '32-true'",
+            r"Fix: pass precision=",
+        ),
     ),
     "dynamic_grad_scaler-growth_factor_not_above_one": (
         lambda: DynamicGradScaler(growth_factor=1.0),

@@ -16,7 +16,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_accel import EfficiencyMonitor, LossScaleMonitor
-from lit_accel.protocols import CommStats, CommStatsProvider, ScalerStats, ScalerStatsProvider, SkippedStepRecord
+from lit_accel.protocols import (
+    CommStats,
+    CommStatsProvider,
+    ExposedComm,
+    ScalerStats,
+    ScalerStatsProvider,
+    SkippedStepRecord,
+)
 from tests.helpers import BNModel, CaptureLogger, make_dataset, make_loader, run_distributed, small_trainer_kwargs
 
 SCALE, BAD_STEP, STEPS = 2.0**10, 3, 6
@@ -97,6 +104,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     strategy, precision = _CountingDDP(), _StaticScalePrecision()
     assert isinstance(strategy, CommStatsProvider) and isinstance(strategy.comm_stats, CommStats)
+    assert not isinstance(strategy.comm_stats, ExposedComm)  # the optional protocol: left out here
     assert isinstance(precision, ScalerStatsProvider) and isinstance(precision, SkippedStepRecord)
     logger = CaptureLogger()
     efficiency = EfficiencyMonitor(warmup_steps=1, print_summary=False)
@@ -137,3 +145,17 @@ def test_a_third_party_strategy_and_precision_feed_both_monitors():
             skipped = [metrics["amp/skipped_steps"] for _, metrics in result["scale_rows"]]
             assert skipped == [0, 0, 0, 1, 1, 1]  # the non-finite step 3, counted by the plugin, seen by the monitor
             assert all("perf/comm_gb_per_step" in m for _, m in result["perf_rows"])
+            # Without ExposedComm: no exposed-communication keys, but the straggler figures all the same.
+            assert not any("perf/comm_exposed_frac" in m or "perf/compute_frac" in m for _, m in result["perf_rows"])
+            assert all(m["perf/straggler_rank"] in (-1.0, 0.0, 1.0) for _, m in result["perf_rows"])
+
+
+class _ExposedCounter(_Counter):
+    def pop_exposed_s(self) -> float:
+        return 0.0
+
+
+def test_exposed_comm_is_an_optional_protocol_on_top_of_comm_stats():
+    counter = _ExposedCounter()
+    assert isinstance(counter, CommStats) and isinstance(counter, ExposedComm)
+    assert not isinstance(_Counter(), ExposedComm)

@@ -17,7 +17,10 @@ formulas are) so the count it returns is also booked under the dtype the op ran 
 
 - ``"fp8"`` when an operand is a float8 tensor (``torch._scaled_mm``) or a tensor subclass whose inner data is
   float8 (torchao's ``Float8TrainingTensor`` reports its high-precision dtype; its ``_data`` is float8, found through
-  the subclass protocol ``__tensor_flatten__``); ``"fp4"`` likewise for ``float4_e2m1fn_x2``;
+  the subclass protocol ``__tensor_flatten__``); ``"fp4"`` likewise for ``float4_e2m1fn_x2``. A subclass whose
+  flatten context says ``emulate=True`` (torchao's ``ScaledMMConfig``, the CPU path) multiplies the dequantized
+  values in fp32 (``torch.mm`` on ``.float()`` copies), so its FLOPs are booked as ``"fp32"``: they ran at the fp32
+  rate, not the fp8 one;
 - ``"tf32"`` for a float32 op on an NVIDIA GPU of compute capability >= 8.0 when PyTorch lets that op use TF32
   (matmuls: ``torch.backends.cuda.matmul.fp32_precision``, which ``allow_tf32`` and
   ``set_float32_matmul_precision`` also set; convolutions: ``torch.backends.cudnn.conv.fp32_precision``, set by
@@ -110,6 +113,19 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _emulated(t: torch.Tensor) -> bool:
+    """Whether a wrapper subclass says it emulates its low-precision matmul (``emulate`` in its flatten context)."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return False
+    _, context = t.__tensor_flatten__()
+    for value in context.values() if isinstance(context, dict) else ():
+        # torchao: a LinearMMConfig, a NamedTuple of one ScaledMMConfig per gemm, each with an ``emulate`` flag.
+        for item in value if isinstance(value, tuple) else (value,):
+            if getattr(item, "emulate", False) is True:
+                return True
+    return False
+
+
 def _storage_dtypes(t: torch.Tensor) -> Iterator[torch.dtype]:
     """The dtype a tensor reports, and those of the inner tensors of a wrapper subclass (recursively)."""
     yield t.dtype
@@ -136,23 +152,26 @@ def compute_dtype(op: Any, args: Any, kwargs: Any) -> str:
         kwargs: its keyword arguments.
 
     Returns:
-        ``"fp8"``, ``"fp4"``, ``"tf32"``, ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp64"``, another torch dtype's name
-        (``"int64"``), or ``"unknown"`` for an op without tensor arguments.
+        ``"fp8"``, ``"fp4"``, ``"tf32"``, ``"fp32"`` (emulated fp8 too), ``"bf16"``, ``"fp16"``, ``"fp64"``, another
+        torch dtype's name (``"int64"``), or ``"unknown"`` for an op without tensor arguments.
     """
     tensors = list(_tensors((args, kwargs)))
     if not tensors:
         return "unknown"
     storage = {d for t in tensors for d in _storage_dtypes(t)}
-    if storage & _FP4:  # before fp8: MX fp4 operands carry float8_e8m0 scales
-        return "fp4"
-    if storage & _FP8:
-        return "fp8"
     first = next((t for t in tensors if t.dtype.is_floating_point), tensors[0])
-    if first.dtype == torch.float32 and first.device.type == "cuda":
+    dtype = first.dtype
+    if storage & (_FP4 | _FP8) and any(_emulated(t) for t in tensors):
+        dtype = torch.float32  # dequantized and multiplied in fp32 (module docstring)
+    elif storage & _FP4:  # before fp8: MX fp4 operands carry float8_e8m0 scales
+        return "fp4"
+    elif storage & _FP8:
+        return "fp8"
+    if dtype == torch.float32 and first.device.type == "cuda":
         kind = "conv" if op in _CONV_OPS else "matmul"
         if fp32_uses_tf32(kind) and _cuda_has_tf32(first.device.index):
             return "tf32"
-    return _NAMED.get(first.dtype) or str(first.dtype).removeprefix("torch.")
+    return _NAMED.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 class FlopCounter:

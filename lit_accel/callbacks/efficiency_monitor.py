@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +17,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_accel.callbacks._flops import FlopCounter
+from lit_accel.meters._efficiency_metrics import checked_peak_flops
+from lit_accel.meters._plots import efficiency_figure, save_report
 from lit_accel.meters.efficiency import EfficiencyMeter
-from lit_accel.meters.tables import efficiency_table
+from lit_accel.meters.tables import efficiency_table, peaks_caption
 from lit_accel.protocols import CommStatsProvider
 from lit_accel.utilities._compat import batches_that_stepped
-from lit_accel.utilities._peak_flops import lookup_peak_flops, matmul_precision
+from lit_accel.utilities._peak_flops import PeakLookup, cuda_device_facts, lookup_peaks, matmul_precision
 from lit_accel.utilities._validation import check_int, check_number
 
 if TYPE_CHECKING:
@@ -33,14 +35,15 @@ __all__ = ["EfficiencyMonitor"]
 class EfficiencyMonitor(Callback):
     """Log throughput, step-time breakdown, TFLOP/s, MFU, stragglers and all-reduce volume, with no per-step sync.
 
-    Works with any strategy (the all-reduce figures with any whose ``comm_stats`` follows
+    Works with any strategy (the communication figures with any whose ``comm_stats`` follows
     :class:`lit_accel.protocols.CommStats`). Logs from rank 0 at the Trainer's ``log_every_n_steps`` cadence, at the
-    step of that optimizer step's own metrics; at the end of fit prints a table and writes ``report_path`` (JSON).
-    FLOPs are counted once by ``FlopCounterMode`` over the first real training micro-batch (matmul FLOPs of forward
-    and backward) unless ``flops_per_sample`` is given. Keys (after ``log_key_prefix``): ``samples_per_sec``,
+    step of that optimizer step's own metrics; at the end of fit prints a table and writes ``report_path`` (JSON, and
+    a PNG beside it). FLOPs are counted once by ``FlopCounterMode`` over the first real training micro-batch, by the
+    dtype they ran in, unless ``flops_per_sample`` is given. Keys (after ``log_key_prefix``): ``samples_per_sec``,
     ``samples_per_sec_per_device``, ``items_per_sec`` (with ``items_fn``), ``step_time_ms``, ``data_wait_frac``,
     ``tflops_per_device``, ``mfu``, ``peak_memory_gb`` (CUDA), ``step_time_spread``, ``scaling_efficiency``,
-    ``comm_gb_per_step``, ``comm_busbw_gbps``, ``comm_time_frac``; formulas in ``docs/monitors.md``.
+    ``comm_gb_per_step``, ``comm_busbw_gbps``, ``comm_time_frac``, ``comm_exposed_frac``, ``compute_frac``,
+    ``straggler_rank``, ``straggler_excess_frac``, ``recompiles``; formulas in ``docs/monitors.md``.
 
     Args:
         warmup_steps: optimizer steps not measured (at least 1 while FLOPs are counted).
@@ -48,8 +51,11 @@ class EfficiencyMonitor(Callback):
         items_fn: ``batch -> items`` (e.g. tokens), enabling ``items_per_sec``.
         flops_per_sample: training FLOPs per sample; skips automatic counting.
         count_flops: count FLOPs automatically when ``flops_per_sample`` is not given.
-        peak_flops: dense peak FLOP/s of one device, overriding the table (needed for MFU on CPU).
+        peak_flops: dense peak FLOP/s of one device, or a dict by dtype (``{"bf16": ..., "fp32": ...}``), overriding
+            the table (needed for MFU on CPU).
         baseline_samples_per_sec: throughput of a one-device run, enabling ``scaling_efficiency``.
+        straggler_threshold, straggler_windows: name a rank whose own time exceeds the others' median by more than
+            this share; warn after this many windows in a row. max_recompiles: warn above this many recompilations.
         report_path: where rank 0 writes the JSON report (``None``: no file). print_summary: print the table.
         log_key_prefix: prefix of every key. clock: host clock in seconds (injectable for tests).
 
@@ -72,20 +78,30 @@ class EfficiencyMonitor(Callback):
         items_fn: Callable[[Any], int | float | Tensor] | None = None,
         flops_per_sample: float | None = None,
         count_flops: bool = True,
-        peak_flops: float | None = None,
+        peak_flops: float | Mapping[str, float] | None = None,
         baseline_samples_per_sec: float | None = None,
+        straggler_threshold: float = 0.2,
+        straggler_windows: int = 3,
+        max_recompiles: int | None = 8,
         report_path: str | os.PathLike[str] | None = None,
         print_summary: bool = True,
         log_key_prefix: str = "perf/",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        check_int("EfficiencyMonitor", "warmup_steps", warmup_steps, minimum=0, example=3)
-        for name, value, fix in (
+        name = "EfficiencyMonitor"
+        check_int(name, "warmup_steps", warmup_steps, minimum=0, example=3)
+        for arg, value, fix in (
             ("flops_per_sample", flops_per_sample, "omit it to count FLOPs automatically"),
-            ("peak_flops", peak_flops, "omit it to use the datasheet table, e.g. 989.5e12 for an H100 SXM at bf16"),
             ("baseline_samples_per_sec", baseline_samples_per_sec, "pass the samples/s of a one-device run"),
         ):
-            check_number("EfficiencyMonitor", name, value, allow_none=True, fix=fix)
+            check_number(name, arg, value, allow_none=True, fix=fix)
+        fix = "omit it to use the datasheet table, e.g. 989.5e12 for an H100 SXM at bf16"
+        self.peak_flops = checked_peak_flops(name, peak_flops, fix)
+        check_number(name, "straggler_threshold", straggler_threshold, fix="pass a share such as 0.2 (20% slower)")
+        check_int(name, "straggler_windows", straggler_windows, example=3)
+        check_int(name, "max_recompiles", max_recompiles, minimum=0, allow_none=True, example=8)
+        self.straggler_threshold, self.straggler_windows = float(straggler_threshold), straggler_windows
+        self.max_recompiles = max_recompiles
         for name, fn in (("batch_size_fn", batch_size_fn), ("items_fn", items_fn), ("clock", clock)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"EfficiencyMonitor({name}={fn!r}): expected a callable or None.")
@@ -94,7 +110,6 @@ class EfficiencyMonitor(Callback):
         self.items_fn = items_fn
         self._flops_per_sample = None if flops_per_sample is None else float(flops_per_sample)
         self.count_flops = count_flops
-        self.peak_flops = None if peak_flops is None else float(peak_flops)
         self.baseline_samples_per_sec = baseline_samples_per_sec
         self.report_path = None if report_path is None else Path(report_path)
         self.print_summary = print_summary
@@ -106,6 +121,7 @@ class EfficiencyMonitor(Callback):
         self.report: dict[str, Any] = {}
         self.meter: EfficiencyMeter | None = None
         self._counter: FlopCounter | None = None
+        self._peaks = PeakLookup(None)  # the peak-table entry and why, set at fit start
         self._flop_batch_size = 0.0
         self._batch_step = 0
         self._step_label = 0
@@ -123,11 +139,16 @@ class EfficiencyMonitor(Callback):
         self._device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self._precision = matmul_precision(trainer.precision)
         counting = self._flops_per_sample is None and self.count_flops
-        peak = self.peak_flops if self.peak_flops is not None else lookup_peak_flops(self._device_name, self._precision)
-        if peak is None and (self._flops_per_sample is not None or self.count_flops):
+        if self.peak_flops is not None:
+            self._peaks = PeakLookup(None, {}, "given as peak_flops")
+        elif device.type == "cuda":  # the name, and where it is ambiguous the memory, SMs and power limit
+            self._peaks = cuda_device_facts(device.index or 0).lookup()
+        else:
+            self._peaks = lookup_peaks(self._device_name)
+        if self.peak_flops is None and self._peaks.entry is None and (self._flops_per_sample or self.count_flops):
             rank_zero_info(
-                f"EfficiencyMonitor: no peak FLOP/s known for {self._device_name!r} at {self._precision}, so no MFU."
-                " Fix: pass EfficiencyMonitor(peak_flops=...) (dense FLOP/s of one device)."
+                f"EfficiencyMonitor: no peak FLOP/s known for {self._device_name!r} ({self._peaks.reason}), so no MFU."
+                " Fix: pass EfficiencyMonitor(peak_flops=...) (dense FLOP/s of one device, or a dict by dtype)."
             )
         strategy = trainer.strategy
         self.meter = EfficiencyMeter(
@@ -135,11 +156,16 @@ class EfficiencyMonitor(Callback):
             world_size=trainer.world_size,
             warmup_steps=max(self.warmup_steps, 1) if counting else self.warmup_steps,
             flops_per_sample=self._flops_per_sample,
-            peak_flops=peak,
+            peak_flops=self.peak_flops if self.peak_flops is not None else (dict(self._peaks.peaks) or None),
+            precision=self._precision,
             baseline_samples_per_sec=self.baseline_samples_per_sec,
             comm_stats=strategy.comm_stats if isinstance(strategy, CommStatsProvider) else None,
+            straggler_threshold=self.straggler_threshold,
+            straggler_windows=self.straggler_windows,
+            max_recompiles=self.max_recompiles,
             clock=self._clock,
             warn=rank_zero_warn,
+            info=rank_zero_info,
         )
         self._counter = FlopCounter() if counting else None
         self._step_label = batches_that_stepped(trainer)
@@ -171,6 +197,11 @@ class EfficiencyMonitor(Callback):
         self.meter.forward_end()
 
     @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.meter is not None
+        self.meter.backward_end()
+
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -185,7 +216,8 @@ class EfficiencyMonitor(Callback):
         flops = self._counter.stop()
         assert self.meter is not None
         if flops > 0 and self._flop_batch_size > 0:
-            self.meter.flops_per_sample = flops / self._flop_batch_size
+            size = self._flop_batch_size
+            self.meter.set_flops(flops / size, {dtype: n / size for dtype, n in flops.by_dtype.items()})
         else:
             self._counter = None
             rank_zero_info(
@@ -252,15 +284,17 @@ class EfficiencyMonitor(Callback):
             device=self._device_name,
             precision=self._precision,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
+            peak_entry=self._peaks.entry,
+            peak_reason=self._peaks.reason,
         )
         if not trainer.is_global_zero:
             return
+        config = self.report["config"]
+        title = f"EfficiencyMonitor: {config['device']} x{config['world_size']}, {config['precision']}"
         if self.report_path is not None:
-            self.report_path.parent.mkdir(parents=True, exist_ok=True)
-            self.report_path.write_text(json.dumps(self.report, indent=2))
+            figure = partial(efficiency_figure, meter.windows, title)
+            save_report(self.report_path, self.report, figure, "EfficiencyMonitor", rank_zero_info)
         if self.print_summary:
             from rich.console import Console
 
-            config = self.report["config"]
-            title = f"EfficiencyMonitor: {config['device']} x{config['world_size']}, {config['precision']}"
-            Console().print(efficiency_table(self.summary, title))
+            Console().print(efficiency_table(self.summary, title, peaks_caption(config)))

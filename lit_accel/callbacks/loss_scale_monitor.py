@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lit_accel.meters._plots import loss_scale_figure, save_report
 from lit_accel.meters.loss_scale import LossScaleMeter
 from lit_accel.utilities._compat import batches_that_stepped, grad_scaler_grads_unscaled
 from lit_accel.utilities._validation import check_bool, check_int
@@ -43,6 +47,8 @@ class LossScaleMonitor(Callback):
         find_nonfinite: before every step, name the first parameters with inf/NaN gradients when the step will be
             skipped (a debugging aid: one host sync and a pass over the gradients per step).
         skip_rate_threshold, skip_rate_window, warmup_steps, min_scale_threshold: warnings, see ``LossScaleMeter``.
+        report_path: where rank 0 writes the summary and every logged value (JSON) and their picture (the same path
+            with ``.png``) at the end of fit; ``None``: no files.
 
     Raises:
         TypeError: an argument of the wrong type. ValueError: an out-of-range value.
@@ -62,8 +68,11 @@ class LossScaleMonitor(Callback):
         skip_rate_window: int = 100,
         warmup_steps: int = 100,
         min_scale_threshold: float | None = 1.0,
+        report_path: str | os.PathLike[str] | None = None,
     ) -> None:
         name = type(self).__name__
+        if report_path is not None and not isinstance(report_path, (str, os.PathLike)):
+            raise TypeError(f"{name}(report_path={report_path!r}): expected a path or None. Fix: 'runs/amp.json'.")
         check_int(name, "logging_interval", logging_interval, allow_none=True, example=50)
         if not isinstance(log_key_prefix, str):
             raise TypeError(f"{name}(log_key_prefix={log_key_prefix!r}): expected a str. Fix: pass e.g. 'amp/'.")
@@ -84,6 +93,9 @@ class LossScaleMonitor(Callback):
         self.find_nonfinite = find_nonfinite
         #: The values logged at the last logging step, on every rank (rank 0's loggers write them).
         self.last_metrics: dict[str, float] = {}
+        #: ``{"step": ..., key: value}`` (keys without the prefix) of every logging step of the last fit.
+        self.history: list[dict[str, float]] = []
+        self.report_path = None if report_path is None else Path(report_path)
         self._said_why = False
         self._names: dict[int, str] = {}
         self._batch_start_step = 0
@@ -99,6 +111,7 @@ class LossScaleMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.history = []
         if not self.meter.attach(trainer.precision_plugin, trainer.global_step):
             if not self._said_why:
                 rank_zero_info(f"LossScaleMonitor: nothing to log: {self.meter.why}")
@@ -143,6 +156,7 @@ class LossScaleMonitor(Callback):
         if interval and batch_steps % interval == 0:
             metrics = self.meter.compute(step)
             if metrics:
+                self.history.append({"step": batch_steps - 1, **metrics})
                 self.last_metrics = {self.log_key_prefix + k: v for k, v in metrics.items()}
                 for logger in trainer.loggers:  # Lightning's loggers write on rank 0 only
                     logger.log_metrics(self.last_metrics, step=batch_steps - 1)
@@ -161,6 +175,11 @@ class LossScaleMonitor(Callback):
             f" ({summary['skipped_steps'] / max(steps, 1):.1%}); loss scale final {summary['loss_scale']:g},"
             f" minimum {summary['min_scale']:g}."
         )
+        if trainer.is_global_zero and self.report_path is not None:
+            title = f"LossScaleMonitor: {trainer.precision}, {summary['skipped_steps']:.0f} of {steps:.0f} skipped"
+            report = {"summary": summary, "history": self.history}
+            figure = partial(loss_scale_figure, self.history, title)
+            save_report(self.report_path, report, figure, "LossScaleMonitor", rank_zero_info)
 
     @override
     def state_dict(self) -> dict[str, Any]:

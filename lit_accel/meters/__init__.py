@@ -6,5 +6,6 @@ Lightning's ``ThroughputMonitor``.
 
 from lit_accel.meters.efficiency import EfficiencyMeter
 from lit_accel.meters.loss_scale import LossScaleMeter
+from lit_accel.meters.memory import MemoryMeter
 
-__all__ = ["EfficiencyMeter", "LossScaleMeter"]
+__all__ = ["EfficiencyMeter", "LossScaleMeter", "MemoryMeter"]

@@ -6,9 +6,18 @@ world size, ``S`` the samples of all ranks, ``k`` the optimizer steps. Sources o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
-__all__ = ["EfficiencyConfig", "RankWindow", "window_metrics"]
+from lit_accel.meters._stragglers import straggler_metrics
+from lit_accel.utilities._peak_flops import ideal_seconds, mfu
+from lit_accel.utilities._validation import check_number
+
+__all__ = ["EfficiencyConfig", "MfuIssue", "RankWindow", "checked_peak_flops", "dtype_shares", "window_metrics"]
+
+# Cumulative counters (and the memory peak): a run's total is their maximum, not their sum.
+_MAXIMA = frozenset({"peak_memory_bytes", "compiles", "recompiles", "warm_recompiles"})
 
 
 @dataclass
@@ -20,12 +29,19 @@ class RankWindow:
     items: float = 0.0
     steps: float = 0.0
     data_wait_s: float = 0.0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # data wait + forward: what step_time_spread compares
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    backwards: float = 0.0  # backward intervals timed (0: the loop never called backward_end)
     peak_memory_bytes: float = 0.0
     flops: float = 0.0
     comm_bytes: float = 0.0
     comm_bus_bytes: float = 0.0
     comm_s: float = 0.0
+    comm_exposed_s: float = 0.0
+    compiles: float = 0.0  # torch.compile compilations since the meter's reset (cumulative)
+    recompiles: float = 0.0  # ... of them recompilations
+    warm_recompiles: float = 0.0  # recompilations since the warm-up ended
 
     def vector(self) -> list[float]:
         """The fields in declaration order, for one collective."""
@@ -37,10 +53,10 @@ class RankWindow:
         return cls(*values)
 
     def accumulate(self, other: RankWindow) -> None:
-        """Add ``other`` into this total (peak memory: the maximum)."""
+        """Add ``other`` into this total (peak memory and the cumulative counters: the maximum)."""
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            setattr(self, f.name, max(mine, theirs) if f.name == "peak_memory_bytes" else mine + theirs)
+            setattr(self, f.name, max(mine, theirs) if f.name in _MAXIMA else mine + theirs)
 
 
 @dataclass
@@ -48,15 +64,49 @@ class EfficiencyConfig:
     """What the metrics need besides the windows."""
 
     flops_per_sample: float | None = None
-    peak_flops: float | None = None
+    #: FLOPs per sample by the dtype they ran in (sums to ``flops_per_sample``); ``None``: all in ``precision``.
+    flops_by_dtype: dict[str, float] | None = None
+    precision: str = "fp32"
+    #: Dense peak FLOP/s of one device: one figure for every dtype, or one per dtype.
+    peak_flops: float | dict[str, float] | None = None
     baseline_samples_per_sec: float | None = None
     cuda: bool = False
+    straggler_threshold: float = 0.2
+
+
+class MfuIssue(NamedTuple):
+    """Why MFU is not reported although a peak is known: ``too_high`` (above 100%) or a dtype without a peak."""
+
+    reason: str
+    too_high: bool
+
+
+def dtype_shares(config: EfficiencyConfig) -> dict[str, float]:
+    """The share of the FLOPs each dtype ran (sums to 1); the whole count in ``precision`` without a split."""
+    split = config.flops_by_dtype
+    total = sum(split.values()) if split else 0.0
+    if not split or total <= 0:
+        return {config.precision: 1.0}
+    return {d: f / total for d, f in split.items() if f > 0}
+
+
+def _mfu(rows: list[RankWindow], window_s: float, config: EfficiencyConfig) -> tuple[float | None, MfuIssue | None]:
+    """MFU = sum over dtypes d of flops_d / peak_d, over n x W device-seconds (docs/monitors.md)."""
+    total = sum(r.flops for r in rows)
+    by_dtype = {d: share * total for d, share in dtype_shares(config).items()}
+    peak = config.peak_flops
+    peaks: Mapping[str, float] = peak if isinstance(peak, dict) else {d: float(peak or 0.0) for d in by_dtype}
+    estimate = mfu(by_dtype, peaks, measured_seconds=len(rows) * window_s)
+    if estimate.value is not None:
+        return estimate.value, None
+    too_high = ideal_seconds(by_dtype, peaks).value is not None  # known peaks, but above 100%
+    return None, MfuIssue(estimate.reason, too_high) if total > 0 else None
 
 
 def window_metrics(
-    rows: list[RankWindow], window_s: float, config: EfficiencyConfig, has_comm: bool
-) -> tuple[dict[str, float], float | None]:
-    """Metrics of one window (or the whole run) from every rank's row, and the FLOP/s if MFU would exceed 1.
+    rows: list[RankWindow], window_s: float, config: EfficiencyConfig, has_comm: bool, has_exposed: bool = False
+) -> tuple[dict[str, float], MfuIssue | None]:
+    """Metrics of one window (or the whole run) from every rank's row, and why MFU is missing (if a peak is known).
 
     Returns ``({}, None)`` for an empty window.
     """
@@ -73,16 +123,13 @@ def window_metrics(
         "step_time_ms": 1e3 * window_s / steps,
         "data_wait_frac": sum(r.data_wait_s / r.window_s for r in rows if r.window_s > 0) / n,
     }
-    mfu_excess = None
+    issue = None
     if config.flops_per_sample is not None:
-        flops_per_device_s = sum(r.flops for r in rows) / window_s / n
-        out["tflops_per_device"] = flops_per_device_s / 1e12
+        out["tflops_per_device"] = sum(r.flops for r in rows) / window_s / n / 1e12
         if config.peak_flops is not None:
-            mfu = flops_per_device_s / config.peak_flops
-            if mfu <= 1.0:
-                out["mfu"] = mfu
-            else:
-                mfu_excess = flops_per_device_s  # never logged above 1: the peak (or the FLOP count) is wrong
+            value, issue = _mfu(rows, window_s, config)
+            if value is not None:
+                out["mfu"] = value  # never above 1: the peak (or the FLOP count) would be wrong
     if config.cuda:
         out["peak_memory_gb"] = max(r.peak_memory_bytes for r in rows) / 1e9
     busy = [r.busy_s for r in rows]
@@ -97,4 +144,26 @@ def window_metrics(
             # nccl-tests' bus bandwidth: the bytes the ring algorithms move per rank, over the time.
             out["comm_busbw_gbps"] = sum(r.comm_bus_bytes for r in rows) / n / comm_s / 1e9
             out["comm_time_frac"] = sum(r.comm_s / r.window_s for r in rows if r.window_s > 0) / n
-    return out, mfu_excess
+    if has_exposed:
+        out["comm_exposed_frac"] = sum(r.comm_exposed_s / r.window_s for r in rows if r.window_s > 0) / n
+        # The source document's T_compute / (T_compute + T_comm), with T_compute = W - data wait - exposed comm.
+        unblocked = sum(max(0.0, r.window_s - r.data_wait_s) for r in rows)
+        if unblocked > 0:
+            out["compute_frac"] = max(0.0, 1.0 - sum(r.comm_exposed_s for r in rows) / unblocked)
+    if max(r.compiles for r in rows) > 0:
+        out["recompiles"] = max(r.recompiles for r in rows)
+    if n > 1:
+        out.update(straggler_metrics(rows, has_exposed, config.straggler_threshold).metrics())
+    return out, issue
+
+
+def checked_peak_flops(owner: str, value: object, fix: str) -> float | dict[str, float] | None:
+    """``peak_flops`` as the meter keeps it: ``None``, one positive number, or positive numbers by dtype key."""
+    if isinstance(value, Mapping):
+        if not value or not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{owner}(peak_flops={value!r}): expected dtype keys such as 'bf16'. Fix: {fix}.")
+        for key, peak in value.items():
+            check_number(owner, f"peak_flops[{key!r}]", peak, fix=fix)
+        return {k: float(v) for k, v in value.items()}
+    check_number(owner, "peak_flops", value, allow_none=True, fix=fix)
+    return None if value is None else float(value)  # type: ignore[arg-type]

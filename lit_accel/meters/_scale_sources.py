@@ -47,6 +47,8 @@ class StatsSource:
         return live if live is not None else self.stats().scale
 
     def counters(self) -> Counters | None:
+        if getattr(self.scaler, "device", True) is None:
+            return None  # a DynamicGradScaler before its first .to(device) (Fabric places it later): nothing yet
         s = self.stats()
         return Counters(s.scale, s.skipped_steps, s.growths, s.backoffs)
 

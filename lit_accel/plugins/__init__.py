@@ -5,9 +5,18 @@ strategies use; they also work with Lightning's own ``DDPStrategy`` (``Trainer(p
 """
 
 from lit_accel.plugins.accel_precision import AccelPrecision
+from lit_accel.plugins.float8 import Float8Conversion, Float8Report
 from lit_accel.plugins.grad_scaler import DynamicGradScaler
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
 from lit_accel.protocols import ScalerStats
 
-__all__ = ["AccelPrecision", "AccelSyncBatchNorm", "DynamicGradScaler", "ScalerStats", "SyncBatchNorm"]
+__all__ = [
+    "AccelPrecision",
+    "AccelSyncBatchNorm",
+    "DynamicGradScaler",
+    "Float8Conversion",
+    "Float8Report",
+    "ScalerStats",
+    "SyncBatchNorm",
+]

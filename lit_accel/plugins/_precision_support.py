@@ -45,7 +45,7 @@ TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interva
 # ---------------------------------------------------------------------- the MixedPrecision variant
 
 _MIXED_VARIANTS: dict[type, type] = {}
-_MIXED = ("16-mixed", "bf16-mixed")
+_MIXED = ("16-mixed", "bf16-mixed", "fp8-mixed")
 
 
 class MixedVariantCall(type):

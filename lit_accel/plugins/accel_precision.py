@@ -16,7 +16,9 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lit_accel.plugins import _precision_support as support
+from lit_accel.plugins._precision_float8 import Float8Training, float8_conversion
 from lit_accel.plugins._step_outcomes import StepOutcomes, Where
+from lit_accel.plugins.float8 import Float8Conversion, Float8Report, ModuleFilter
 from lit_accel.plugins.grad_scaler import DynamicGradScaler
 from lit_accel.protocols import ScalerStats
 from lit_accel.utilities import _compat, _workarounds
@@ -25,11 +27,12 @@ from lit_accel.utilities._validation import check_choice, check_int
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.types import LRSchedulerConfig
+    from torchao.float8 import Float8LinearConfig
 
 __all__ = ["AccelPrecision"]
 
-_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
-_MIXED = ("16-mixed", "bf16-mixed")
+_PRECISIONS = ("16-mixed", "bf16-mixed", "fp8-mixed", "32-true")
+_MIXED = ("16-mixed", "bf16-mixed", "fp8-mixed")
 
 
 class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
@@ -44,10 +47,15 @@ class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
     scaling is testable without a GPU. Details, host-sync table and the multi-optimizer rule: ``docs/precision.md``.
 
     Args:
-        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``.
+        precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"fp8-mixed"`` (torchao FP8 Linear layers, bf16 autocast for the
+            rest; emulated on CPU) or ``"32-true"``.
         device: ``"cpu"`` or ``"cuda"``; ``None`` follows the Trainer's device (set in ``connect()``).
         scaler: the fp16 loss scaler: a :class:`~lit_accel.DynamicGradScaler` (default ``DynamicGradScaler()``), or
             a ``torch.amp.GradScaler``, adopted with its settings and state (torch's rule). Only for ``"16-mixed"``.
+        float8: ``"fp8-mixed"`` only: torchao's ``Float8LinearConfig`` (default: dynamic tensorwise scaling), or a
+            :class:`~lit_accel.plugins.Float8Conversion` (also sets ``emulate``). ``docs/precision.md``.
+        float8_filter: ``"fp8-mixed"`` only: a callable ``(module, name) -> bool`` choosing the Linear layers to
+            convert, or names (fnmatch patterns) of modules to leave out, e.g. ``["head"]``.
         on_nonfinite: bf16/fp32 steps with inf/NaN gradients: ``"raise"`` (default), ``"skip"`` and count, or
             ``"off"`` (no guard; for optimizers that re-evaluate the closure inside ``step()``, such as SAM).
         on_min_scale: an overflow at the scaler's ``min_scale``: ``"raise"`` (default) or ``"warn"`` once.
@@ -69,10 +77,12 @@ class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
 
     def __init__(
         self,
-        precision: Literal["16-mixed", "bf16-mixed", "32-true"],
+        precision: Literal["16-mixed", "bf16-mixed", "fp8-mixed", "32-true"],
         device: Literal["cpu", "cuda"] | None = None,
         scaler: torch.amp.GradScaler | None = None,
         *,
+        float8: Float8LinearConfig | Float8Conversion | None = None,
+        float8_filter: ModuleFilter | None = None,
         on_nonfinite: Literal["raise", "skip", "off"] = "raise",
         on_min_scale: Literal["raise", "warn"] = "raise",
         min_scale_check_interval: int = 100,
@@ -86,6 +96,8 @@ class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
         self.precision = precision  # type: ignore[assignment]
         self._device_arg = device
         self._root: torch.device | None = None
+        conversion = float8_conversion(name, precision, float8, float8_filter)
+        self._float8 = None if conversion is None else Float8Training(conversion)
         self._outcomes = StepOutcomes(name, precision, on_min_scale, on_nonfinite, min_scale_check_interval)
         self._without_backward = False
         self._scaler: DynamicGradScaler | None = None
@@ -130,6 +142,11 @@ class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
     def device(self, value: str) -> None:
         check_choice(type(self).__name__, "device", value, ("cpu", "cuda"), "'cpu' or 'cuda'")
         self._device_arg = value  # type: ignore[assignment]
+
+    @property
+    def float8_report(self) -> Float8Report | None:
+        """``"fp8-mixed"``: the Linear layers converted at setup and why the others were not (``None`` before)."""
+        return None if self._float8 is None else self._float8.report
 
     @property
     def loss_scaling(self) -> bool:
@@ -222,6 +239,15 @@ class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
                     rank_zero_warn(f"{name}: {type(config.scheduler).__name__} will also step on skipped steps.")
         return model, optimizers, lr_schedulers
 
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """``"fp8-mixed"``: convert the eligible Linear layers in place (before the strategy wraps or shards them)."""
+        if self._float8 is None:
+            return module
+        trainer = support.trainer_of(support.find_lightning_module(module))
+        device = trainer.strategy.root_device if trainer is not None else torch.device(self.device)
+        return self._float8.convert(module, device)
+
     # ------------------------------------------------------------------ autocast and backward
 
     @override
@@ -230,6 +256,16 @@ class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
         """Autocast in fp16/bf16 on the plugin's device; nothing for ``"32-true"``."""
         with self.autocast_context_manager():
             yield
+
+    @override
+    @contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        """As ``forward_context``; ``"fp8-mixed"`` leaves inference mode (torchao's float8 tensors fail under it)."""
+        with self._float8.eval_context() if self._float8 is not None else nullcontext(), self.forward_context():
+            yield
+
+    test_step_context = val_step_context
+    predict_step_context = val_step_context
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
@@ -309,6 +345,8 @@ class AccelPrecision(Precision, metaclass=support.MixedVariantCall):
                 self._outcomes.raise_lagged_nonfinite(wait=True)
         finally:
             self._outcomes.reset()
+            if self._float8 is not None:
+                self._float8.revert()
             super().teardown()
 
     def _closure_message(self, optimizer: Optimizer) -> str:

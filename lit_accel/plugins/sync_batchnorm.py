@@ -1,30 +1,23 @@
 """A portable synchronised BatchNorm: one all-reduce in forward, one in backward, on any backend.
 
-``torch.nn.SyncBatchNorm`` only runs on CUDA-like devices: on CPU/gloo the DDP constructor rejects it ("SyncBatchNorm
-layers only work with GPU modules"), its forward refuses CPU tensors and ``torch.batch_norm_stats`` has no CPU kernel.
-:class:`SyncBatchNorm` here is built from ops every backend has:
+``torch.nn.SyncBatchNorm`` only runs on CUDA-like devices (on CPU/gloo DDP rejects it and ``torch.batch_norm_stats``
+has no CPU kernel). :class:`SyncBatchNorm` does the work with torch's own batch-norm kernels on every device:
 
-* **forward** — each rank computes its local per-channel mean and biased variance with
-  ``torch.batch_norm_update_stats`` (plain BatchNorm's statistics kernel: centred, two-pass with a float64 accumulator
-  on CPU, Welford on CUDA), turns them into sums ``[Σx, Σx², n]`` and all-reduces that one ``2C+1`` tensor over the
-  layer's process group. The output is then ``F.batch_norm`` in inference mode with the *global* mean and variance,
-  so the element-wise arithmetic is exactly plain BatchNorm's.
-* **backward** — the two per-channel reductions the input gradient needs, ``Σdy`` and ``Σdy·x̂``, come from
-  ``native_batch_norm_backward`` with only its weight/bias outputs requested; they are all-reduced as one ``2C``
-  tensor and the input gradient is the standard BatchNorm backward (Ioffe & Szegedy 2015, §3) with global sums:
-  ``dx = γ·σ⁻¹·(dy − Σdy/N − x̂·Σ(dy·x̂)/N)``. The weight and bias gradients stay local, as in
-  ``torch.nn.SyncBatchNorm``: DDP's gradient all-reduce combines them like every other parameter's.
+* **forward**: local mean and biased variance from ``torch.batch_norm_update_stats`` (plain BatchNorm's statistics
+  kernel), all-reduced as ``[Σx, Σx², n]`` (``2C+1`` numbers); the output is ``torch.native_batch_norm`` in
+  inference mode fed with the *global* mean and variance: plain BatchNorm's element-wise kernel.
+* **backward**: local ``Σdy`` and ``Σdy·x̂`` from ``native_batch_norm_backward`` (on CUDA ``Σdy`` and ``Σdy·(x−μ)``
+  from ``batch_norm_backward_reduce``), all-reduced as one ``2C`` tensor; then the BatchNorm input gradient with the
+  global sums, ``dx = γσ⁻¹·(dy − mean(dy) − x̂·mean(dy·x̂))``: ``batch_norm_backward_elemt`` on CUDA, elsewhere one
+  inference-mode ``native_batch_norm`` pass over ``x`` and one in-place ``addcmul_`` of ``dy``. The weight and bias
+  gradients stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them like every other gradient.
 
-Numerical care: the combined sums are formed and reduced in **float64** (``2C+1`` numbers, so the extra bytes do not
-matter), because ``E[x²] − E[x]²`` in float32 loses everything when ``|mean| ≫ std`` (about ``2⁻²⁴·mean²`` of absolute
-error: with mean 1e3 and std 1 that is several percent of the variance). Each rank's local moments are centred (the
-kernel's two-pass algorithm), so the only cancellation left is the float64 one, good to ``|mean|/std`` around 1e5 —
-well beyond what a float32 input can carry. On devices without float64 (MPS) the reduction falls back to float32 and
-that limit drops to ``|mean|/std`` around 1e2. Statistics are float32 for float16/bfloat16 inputs (autocast or
-``-true`` precision); the output has the input's dtype.
-
-Only training-mode forwards communicate. In eval mode the layer uses its running statistics (or, with
-``track_running_stats=False``, the local batch statistics), the same rule as ``torch.nn.SyncBatchNorm``.
+Numerics: the ``2C+1`` statistics are combined in float64, because ``E[x²] − E[x]²`` in float32 loses the variance
+when ``|mean| ≫ std`` (error about ``2⁻²⁴·mean²``: with mean 1e3 and std 1, several percent). The local moments are
+centred (two-pass or Welford kernels), so float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no
+float64). Statistics are float32 for float16/bfloat16 inputs (read without conversion on CPU and CUDA); the output
+has the input's dtype, and channels-last inputs stay channels-last without copies. Only training-mode forwards
+communicate; eval mode uses the running statistics (or the local batch's, without them), as torch's layer does.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -48,16 +40,90 @@ def _all_reduce_sum(tensor: Tensor, group: Any) -> None:
 
 
 def _stats_dtype(compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    # float64 for the tiny reduced tensor (see the module docstring); MPS has no float64.
+    # float64 for the tiny (2C+1) reduced tensor, needed for |mean| >> std (see the module docstring and
+    # test_large_mean_small_std_needs_the_float64_combination); MPS has no float64.
     return compute_dtype if device.type == "mps" else torch.float64
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    # Tensor.to() costs a dispatch even when there is nothing to convert, and these run on every step.
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
+def _local_moments(input: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance of ``input`` in ``compute_dtype``, read in its own dtype and layout."""
+    if input.dtype == compute_dtype:
+        return torch.batch_norm_update_stats(input, None, None, 0.0)
+    if input.device.type not in ("cpu", "cuda"):
+        return torch.batch_norm_update_stats(input.to(compute_dtype), None, None, 0.0)
+    # On CPU, a float16/bfloat16 input with float32 "running" buffers selects the kernel's mixed-precision path
+    # (float32 accumulation and outputs; the CUDA kernel's outputs are float32 anyway) without converting the input.
+    # The buffers are scratch; momentum 0 leaves them be.
+    scratch = torch.zeros(2, input.shape[1], dtype=compute_dtype, device=input.device)
+    return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
+
+
+def _local_grad_sums(
+    grad_output: Tensor, input: Tensor, mean: Tensor, invstd: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Local ``Σdy``, the second sum to all-reduce, and ``Σdy·x̂`` (the weight gradient), in the statistics' dtype.
+
+    The second sum is ``Σdy·(x−μ)`` on CUDA, the quantity its ``batch_norm_backward_elemt`` kernel takes, and
+    ``Σdy·x̂`` elsewhere, where it is the weight gradient ``native_batch_norm_backward`` computes anyway.
+    """
+    if input.is_cuda:
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+            grad_output, input, mean, invstd, None, True, False, False
+        )
+        return sum_dy, sum_dy_xmu, sum_dy_xmu * invstd
+    # Σdy·x̂ and Σdy are the weight and bias gradients of a BatchNorm with these statistics, whatever its weight. The
+    # CPU kernel takes none; other backends' kernels may allocate the weight gradient like the weight, so get one.
+    unit_weight = None if input.device.type == "cpu" else torch.ones_like(mean)
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, unit_weight, None, None, mean, invstd, True, eps, [False, True, True]
+    )
+    return sum_dy, sum_dy_xhat, sum_dy_xhat
+
+
+def _grad_input(
+    grad_output: Tensor,
+    input: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    invstd: Tensor,
+    sums: Tensor,
+    total_count: Tensor,
+    eps: float,
+) -> Tensor:
+    """``dx = γσ⁻¹·(dy − Σdy/N − x̂·Σdy·x̂/N)`` from the group's sums (see :func:`_local_grad_sums`)."""
+    num_channels = mean.numel()
+    if input.is_cuda:
+        sum_dy, sum_dy_xmu = sums.split(num_channels)
+        return torch.batch_norm_backward_elemt(
+            grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, total_count.to(torch.int32).view(1)
+        )
+    # No fused CPU kernel for this: the last two terms are an affine function of x̂, i.e. an inference-mode
+    # BatchNorm of x with weight −γσ⁻¹·mean(dy·x̂) and bias −γσ⁻¹·mean(dy) (one native pass, the forward's
+    # rounding); one addcmul_ then adds γσ⁻¹·dy in place.
+    scale = invstd if weight is None else invstd * weight
+    bias_coef, weight_coef = (sums / total_count).view(2, num_channels).mul_(scale).neg_()
+    x, dy = input, grad_output
+    if input.dtype != mean.dtype:
+        # float16/bfloat16: float32 arithmetic, rounded once at the end. CPU elementwise kernels are several times
+        # slower on mixed dtypes than a conversion, so both operands are converted first.
+        x, dy = input.to(mean.dtype), grad_output.to(mean.dtype)
+    grad_input = torch.native_batch_norm(x, weight_coef, bias_coef, mean, var, False, 0.0, eps)[0]
+    grad_input.addcmul_(dy, _channel_view(scale, input.dim()))
+    return _cast(grad_input, input.dtype)
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode BatchNorm over a process group; saves only the input, weight, mean, var, invstd and count."""
+    """Training-mode BatchNorm over a process group; saves only the input, weight, mean, var and count."""
 
     @staticmethod
     def forward(
@@ -73,21 +139,23 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     ) -> Tensor:
         num_channels = input.shape[1]
         local_count = input.numel() // num_channels if num_channels else 0
-        # float32 statistics for float16/bfloat16 inputs, float64 for float64 inputs.
-        compute_dtype = torch.promote_types(input.dtype, torch.float32)
+        # float32 statistics for float16/bfloat16/float32 inputs, float64 for float64 ones (the floating types BatchNorm
+        # takes: torch.promote_types(dtype, float32), without its dispatch).
+        compute_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
         stats_dtype = _stats_dtype(compute_dtype, input.device)
 
-        # Local sums [Σx, Σx², n] from centred local moments, so the float32 part never cancels.
+        # Local sums n·[mean, var + mean², 1] = [Σx, Σx², n] from centred local moments: no float32 cancellation.
         if local_count > 0:
-            local_mean, local_var = torch.batch_norm_update_stats(input.to(compute_dtype), None, None, 0.0)
-            local_mean, local_var = local_mean.to(stats_dtype), local_var.to(stats_dtype)
-            count = input.new_full((1,), local_count, dtype=stats_dtype)
-            combined = torch.cat([local_mean * local_count, (local_var + local_mean * local_mean) * local_count, count])
+            local_mean, local_var = _local_moments(input, compute_dtype)
+            m = local_mean.to(stats_dtype)
+            combined = torch.cat([m, torch.addcmul(local_var.to(stats_dtype), m, m), m.new_ones(1)])
+            combined.mul_(local_count)
         else:
             # An empty rank still joins the collective, or its peers would wait forever.
             combined = input.new_zeros(2 * num_channels + 1, dtype=stats_dtype)
         _all_reduce_sum(combined, process_group)
-        total_sum, total_sq_sum, total_count = combined.split([num_channels, num_channels, 1])
+        # 0-d: dividing a tensor by it keeps that tensor's dtype (float32 gradients sums, float64 statistics).
+        total_count = combined[-1]
 
         if local_count <= 1:
             # Only a rank holding at most one sample can be part of a global count <= 1, so only such a rank pays this
@@ -107,18 +175,21 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 return torch.empty_like(input)
         ctx.skip_all = False
 
-        mean = total_sum / total_count
-        var = (total_sq_sum / total_count - mean * mean).clamp_min_(0.0)
+        # Rows: the global mean and E[x²], then (in place) the biased variance E[x²] − mean².
+        moments = combined[:-1].view(2, num_channels).div_(total_count)
+        global_mean, global_sq = moments
+        global_sq.addcmul_(global_mean, global_mean, value=-1).clamp_min_(0.0)
+        mean, var = moments.to(compute_dtype)
         if running_mean is not None and running_var is not None:
             # Unbiased running variance over the *global* count, as plain BatchNorm on the joint batch would keep.
             # `momentum` is a 0-d tensor for momentum=None (1/num_batches_tracked): no host sync.
-            unbiased_var = var * (total_count / (total_count - 1))
-            running_mean.mul_(1 - momentum).add_((mean * momentum).to(running_mean.dtype))
-            running_var.mul_(1 - momentum).add_((unbiased_var * momentum).to(running_var.dtype))
+            # var·N/(N−1) = var + var/(N−1)
+            unbiased_var = torch.addcdiv(var, var, total_count - 1)
+            w = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
+            running_mean.lerp_(_cast(mean, running_mean.dtype), w)
+            running_var.lerp_(_cast(unbiased_var, running_var.dtype), w)
 
-        mean, var = mean.to(compute_dtype), var.to(compute_dtype)
-        invstd = torch.rsqrt(var + eps)
-        ctx.save_for_backward(input, weight, mean, var, invstd, total_count.to(compute_dtype))
+        ctx.save_for_backward(input, weight, mean, var, total_count)
         ctx.eps = eps
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.process_group = process_group
@@ -126,9 +197,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if local_count == 0:
             return torch.empty_like(input)
         # Plain BatchNorm's element-wise kernel with the global statistics as its "running" ones.
-        w = weight.to(compute_dtype) if weight is not None else None
-        b = bias.to(compute_dtype) if bias is not None else None
-        return F.batch_norm(input, mean, var, w, b, False, 0.0, eps)
+        w = _cast(weight, compute_dtype) if weight is not None else None
+        b = _cast(bias, compute_dtype) if bias is not None else None
+        return torch.native_batch_norm(input, w, b, mean, var, False, 0.0, eps)[0]
 
     @staticmethod
     @once_differentiable
@@ -137,40 +208,25 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.skip_all:
             (input,) = ctx.saved_tensors
             return (torch.zeros_like(input) if ctx.needs_input_grad[0] else None, None, None, *no_grads)
-        input, weight, mean, var, invstd, total_count = ctx.saved_tensors
-        num_channels = input.shape[1]
+        input, weight, mean, var, total_count = ctx.saved_tensors
+        invstd = torch.rsqrt(var + ctx.eps)
         if ctx.local_count > 0:
-            # Σdy·x̂ and Σdy are exactly the weight and bias gradients of a unit-weight BatchNorm. The unit weight is
-            # passed explicitly: torch's CUDA kernel allocates its weight gradient from the weight's options and fails
-            # on a missing weight (the CPU kernel accepts None). In the statistics dtype it selects the kernel's
-            # mixed-precision path (float32 accumulation) for float16/bfloat16 inputs.
-            unit_weight = torch.ones(num_channels, dtype=mean.dtype, device=mean.device)
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad_output, input, unit_weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
-            )
+            sum_dy, second_sum, sum_dy_xhat = _local_grad_sums(grad_output, input, mean, invstd, ctx.eps)
         else:
-            sum_dy_xhat = sum_dy = mean.new_zeros(num_channels)
-        grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+            sum_dy = second_sum = sum_dy_xhat = mean.new_zeros(mean.numel())
+        # The local weight and bias gradients (DDP sums them with every other gradient).
+        grad_weight = _cast(sum_dy_xhat, weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = _cast(sum_dy, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
 
         grad_input = None
         if ctx.needs_input_grad[0]:
-            combined = torch.cat([sum_dy, sum_dy_xhat])
-            _all_reduce_sum(combined, ctx.process_group)
+            sums = torch.cat([sum_dy, second_sum])
+            _all_reduce_sum(sums, ctx.process_group)
             if ctx.local_count == 0:
                 grad_input = torch.zeros_like(input)
             else:
-                mean_dy, mean_dy_xhat = (combined / total_count).split(num_channels)
-                scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-                # dx = γσ⁻¹·dy − γσ⁻¹·mean(dy) − γσ⁻¹·mean(dy·x̂)·x̂. The last two terms are an affine function of x̂,
-                # i.e. an inference-mode BatchNorm of x with weight −γσ⁻¹·mean(dy·x̂) and bias −γσ⁻¹·mean(dy): one
-                # pass of the native kernel instead of three elementwise passes (x − μ, scale, shift), with the same
-                # rounding as the forward's output.
-                grad_input = F.batch_norm(
-                    input.to(mean.dtype), mean, var, -scale * mean_dy_xhat, -scale * mean_dy, False, 0.0, ctx.eps
-                )
-                grad_input.addcmul_(grad_output, _channel_view(scale, input.dim()))
-                grad_input = grad_input.to(input.dtype)
+                w = _cast(weight, mean.dtype) if weight is not None else None
+                grad_input = _grad_input(grad_output, input, w, mean, var, invstd, sums, total_count, ctx.eps)
         return (grad_input, grad_weight, grad_bias, *no_grads)
 
 

@@ -67,6 +67,8 @@ class BatchNormSync:
                 f"{self.owner}: the model has no BatchNorm layer; pass sync_batchnorm=False to silence this."
             )
         if current is not None and not isinstance(current, TorchSyncBatchNorm):
+            if isinstance(current, AccelSyncBatchNorm):
+                self.plugin = current  # so that group_size reports the Trainer's plugin, not the default
             return current  # the user's own LayerSync plugin (ours configured their way, or theirs): respect it
         if not self.enabled:
             if current is not None:

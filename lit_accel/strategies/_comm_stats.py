@@ -1,10 +1,16 @@
 """Counters of a strategy's gradient collectives (:class:`lit_accel.protocols.CommStats`), read at logging steps.
 
 * :class:`HookCommStats`: filled by a counting comm hook, which counts and times every bucket it reduces (counting
-  costs no device synchronisation; timing is resolved only in ``pop_elapsed_s``).
+  costs no device synchronisation; timing is resolved only in ``pop_elapsed_s``/``pop_exposed_s``).
 * :class:`DDPLoggingCommStats`: DDP's built-in C++ all-reduce with no Python hook (a Python hook costs about a
   millisecond per step on a CPU ViT: ``benchmarks/RESULTS.md``, section 1); the strategy counts all-reduce *rounds*
   with one integer increment each and the rest comes from DDP's own logging when the counters are read.
+
+Both satisfy :class:`lit_accel.protocols.ExposedComm` too: ``pop_exposed_s`` is the time from the end of a backward's
+compute to the completion of its last gradient collective, the part of the communication that overlap did not hide
+(with slower peers, the wait for them). The hook marks the end of the compute with a callback queued on the backward
+pass at its first bucket, which the autograd engine runs before DDP's ``finalize_backward``; DDP's logging records the
+same two instants in the iterations it samples.
 """
 
 # No ``from __future__ import annotations``: keep the module importable on its own for DDP's hook annotations check.
@@ -14,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_accel.utilities._compat import ddp_logging_data
+from lit_accel.utilities._compat import current_graph_task_id, ddp_logging_data, queue_backward_callback
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -71,6 +77,10 @@ class HookCommStats(_Totals):
         self._cpu_intervals: list[tuple[float, float]] = []
         self._cuda_intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._folded_s = 0.0  # time of intervals folded away while nobody popped
+        # One entry per synchronised backward ("round"): when its compute ended and when its collectives finished.
+        self._rounds: list[_Round] = []
+        self._open_round: _Round | None = None
+        self._folded_exposed_s = 0.0
 
     def pop_elapsed_s(self) -> float:
         """Seconds during which at least one gradient collective was in flight, since the previous call.
@@ -89,31 +99,79 @@ class HookCommStats(_Totals):
             end.synchronize()
         return elapsed + _union_length(cpu) + _union_length(_cuda_spans(cuda))
 
-    def _start(self, device: torch.device) -> Any:
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+    def pop_exposed_s(self) -> float:
+        """Seconds this rank waited for its gradient collectives after its backward's compute ended, since the last pop.
 
-    def _finish(self, start: Any, fut: torch.futures.Future) -> Any:
+        Per synchronised backward: from the end of its compute (a callback the first bucket queues on the backward
+        pass, which the autograd engine runs after the last backward op and before DDP's ``finalize_backward``) to the
+        completion of its last collective, or 0 when every collective finished before the compute did (fully
+        hidden). A bucket handed over outside a backward pass counts from its hand-off. Call at logging steps only.
+        """
+        with self._lock:
+            done = [r for r in self._rounds if r is not self._open_round]
+            self._rounds = [r for r in self._rounds if r is self._open_round]
+            exposed, self._folded_exposed_s = self._folded_exposed_s, 0.0
+        return exposed + sum(r.exposed_s() for r in done)
+
+    def _start(self, device: torch.device) -> Any:
+        return _mark(device)
+
+    def _round(self, device: torch.device) -> "_Round":
+        """The round a bucket handed over now belongs to; the first bucket of a backward pass opens it."""
+        task = current_graph_task_id()
+        current = self._open_round
+        if current is not None and current.task == task >= 0:
+            with self._lock:
+                current.pending += 1
+            return current
+        current = _Round(task)  # a new backward (a round left open by one that raised stays without an end)
+        current.pending = 1
+        with self._lock:
+            self._rounds.append(current)
+            if len(self._rounds) > _MAX_PENDING:
+                self._fold_finished_rounds()
+        self._open_round = current
+
+        def compute_done() -> None:
+            current.compute_end = _mark(device)
+            if self._open_round is current:
+                self._open_round = None
+
+        if not queue_backward_callback(compute_done):  # no backward running: the compute is over already
+            compute_done()
+        return current
+
+    def _finish(self, start: Any, fut: torch.futures.Future, round_: "_Round | None" = None) -> Any:
         # Runs as the future's ``then`` callback, when the collective has completed (on CUDA: with the current
         # stream synchronised to the collective's, so an event recorded now marks its end on the device).
-        if isinstance(start, float):
-            interval = (start, time.perf_counter())
+        end = self._record_end(start)
+        if round_ is not None:
             with self._lock:
-                self._cpu_intervals.append(interval)
+                round_.ends.append(end)
+                round_.pending -= 1
+        return fut.value()
+
+    def _record_end(self, start: Any) -> Any:
+        end = _mark(torch.device("cpu" if isinstance(start, float) else "cuda"))
+        with self._lock:
+            if isinstance(start, float):
+                self._cpu_intervals.append((start, end))
                 if len(self._cpu_intervals) > _MAX_PENDING:
                     self._folded_s += _union_length(self._cpu_intervals)
                     self._cpu_intervals = []
-        else:
-            end_event = torch.cuda.Event(enable_timing=True)
-            end_event.record()
-            with self._lock:
-                self._cuda_intervals.append((start, end_event))
+            else:
+                self._cuda_intervals.append((start, end))
                 if len(self._cuda_intervals) > _MAX_PENDING:
                     self._fold_finished_cuda()
-        return fut.value()
+        return end
+
+    def _fold_finished_rounds(self) -> None:
+        # Called with the lock held, when nobody popped for thousands of rounds: fold the finished ones (their events
+        # completed: ``query`` does not block) into a number.
+        finished = [r for r in self._rounds if r is not self._open_round and r.finished()]
+        self._folded_exposed_s += sum(r.exposed_s() for r in finished)
+        done = {id(r) for r in finished}
+        self._rounds = [r for r in self._rounds if id(r) not in done]
 
     def _fold_finished_cuda(self) -> None:
         # Nobody popped for a long time: fold the collectives whose events have completed (``query`` does not
@@ -126,6 +184,34 @@ class HookCommStats(_Totals):
 
     def _restore(self, calls: int, nbytes: int) -> None:
         self.calls, self.bytes = calls, nbytes
+
+
+class _Round:
+    """One synchronised backward: when its compute ended and when each of its collectives completed."""
+
+    __slots__ = ("compute_end", "ends", "pending", "task")
+
+    def __init__(self, task: int) -> None:
+        self.task = task  # the backward pass (graph task) it belongs to; -1 outside one
+        self.compute_end: Any = None  # a perf_counter float, or a CUDA event
+        self.ends: list[Any] = []
+        self.pending = 0  # collectives handed over and not completed yet
+
+    def finished(self) -> bool:
+        marks = [self.compute_end, *self.ends]
+        return (
+            self.pending == 0 and self.compute_end is not None and all(isinstance(m, float) or m.query() for m in marks)
+        )
+
+    def exposed_s(self) -> float:
+        if self.compute_end is None or not self.ends:
+            return 0.0
+        if isinstance(self.compute_end, float):
+            return max(0.0, max(self.ends) - self.compute_end)
+        self.compute_end.synchronize()
+        for end in self.ends:
+            end.synchronize()
+        return max(0.0, max(self.compute_end.elapsed_time(end) for end in self.ends) / 1e3)
 
 
 class DDPLoggingCommStats(_Totals):
@@ -158,6 +244,8 @@ class DDPLoggingCommStats(_Totals):
         self._folded_s = 0.0  # time of rounds not popped before their model was detached
         self._initial: tuple[int, ...] = ()  # bucket bytes of the construction layout
         self._rebuilt: tuple[int, ...] | None = None  # ... and of the rebuilt one, once DDP published it
+        self._exposed_round = 0  # value of ``rounds`` at the previous pop_exposed_s
+        self._folded_exposed_s = 0.0
 
     def attach(self, ddp: "DistributedDataParallel") -> None:
         """Start counting for a newly wrapped model (reads its construction-time bucket layout once)."""
@@ -172,8 +260,10 @@ class DDPLoggingCommStats(_Totals):
         if self._ddp is None:
             return
         self._done_calls, self._done_bytes = self.calls, self.bytes
-        self._folded_s += (self.rounds - self._popped_round) * self._round_time_s()
-        self._popped_round = self._first_round = self.rounds
+        comm_s, exposed_s = self._round_times_s()
+        self._folded_s += (self.rounds - self._popped_round) * comm_s
+        self._folded_exposed_s += (self.rounds - self._exposed_round) * exposed_s
+        self._popped_round = self._exposed_round = self._first_round = self.rounds
         self._ddp = None
 
     def add_round(self) -> None:
@@ -211,8 +301,22 @@ class DDPLoggingCommStats(_Totals):
         rounds, self._popped_round = self.rounds - self._popped_round, self.rounds
         elapsed, self._folded_s = self._folded_s, 0.0
         if rounds and self._ddp is not None:
-            elapsed += rounds * self._round_time_s()
+            elapsed += rounds * self._round_times_s()[0]
         return elapsed
+
+    def pop_exposed_s(self) -> float:
+        """Estimated seconds this rank waited for its all-reduces after the backward's compute, since the last call.
+
+        Rounds since the previous call x (``backward_comm_time`` - ``backward_compute_comm_overlap_time``) of DDP's
+        latest sampled iteration: the reducer's end of ``finalize_backward`` (all buckets reduced) minus the end of
+        the backward's compute (recorded when the autograd engine runs DDP's finalize callback), on the same clocks
+        and with the same sampling as :meth:`pop_elapsed_s`. ``0.0`` until DDP's first sample.
+        """
+        rounds, self._exposed_round = self.rounds - self._exposed_round, self.rounds
+        exposed, self._folded_exposed_s = self._folded_exposed_s, 0.0
+        if rounds and self._ddp is not None:
+            exposed += rounds * self._round_times_s()[1]
+        return exposed
 
     def _layout(self) -> tuple[int, ...]:
         if self._rebuilt is None and self._ddp is not None:
@@ -221,17 +325,31 @@ class DDPLoggingCommStats(_Totals):
                 self._rebuilt = _bucket_sizes(rebuilt)  # DDP rebuilds once: cache it, stop reading
         return self._initial if self._rebuilt is None else self._rebuilt
 
-    def _round_time_s(self) -> float:
+    def _round_times_s(self) -> tuple[float, float]:
+        """(communication, exposed) seconds of DDP's latest sampled round."""
         if self._ddp is None:
-            return 0.0
+            return 0.0, 0.0
         data = ddp_logging_data(self._ddp)
-        # The latest sample; its running mean when that sample recorded no time (a sampled iteration without the
+        # The latest sample; its running means when that sample recorded no time (a sampled iteration without the
         # backward's events, e.g. one whose backward never ran).
-        nanoseconds = data.get("backward_comm_time") or data.get("avg_backward_comm_time") or 0
-        return int(nanoseconds) / 1e9
+        latest = bool(data.get("backward_comm_time"))
+        prefix = "" if latest else "avg_"
+        comm = int(data.get(f"{prefix}backward_comm_time") or 0)
+        # Measured from the first bucket's launch to the end of the compute; absent when the compute ended first.
+        overlap = int(data.get(f"{prefix}backward_compute_comm_overlap_time") or 0)
+        return comm / 1e9, max(0, comm - overlap) / 1e9
 
     def _restore(self, calls: int, nbytes: int) -> None:
         self._done_calls, self._done_bytes = calls, nbytes
+
+
+def _mark(device: torch.device) -> Any:
+    """Now, on the host clock, or as a CUDA event recorded on the current stream."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
 
 
 def _bucket_sizes(text: object) -> tuple[int, ...]:

@@ -109,7 +109,8 @@ def resolve_comm_hook(
 def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: HookCommStats) -> CommHook:
     """Wrap a DDP comm hook so that every bucket it reduces is counted and timed in ``stats``.
 
-    A few Python integer operations and one ``Future.then`` per bucket; it never reads a device value.
+    A few Python integer operations and one ``Future.then`` per bucket, plus one callback queued on the backward pass
+    per synchronised backward (it marks the end of the compute, for ``pop_exposed_s``); it never reads a device value.
     """
 
     def accel_counting_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -121,6 +122,7 @@ def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: HookCommStats) ->
             compressing = state.iter >= state.start_powerSGD_iter  # type: ignore[attr-defined]
             numel_before = state.total_numel_after_compression  # type: ignore[attr-defined]
         start = stats._start(buffer.device)
+        round_ = stats._round(buffer.device)  # the first bucket of a backward marks the end of its compute
         fut = hook(state, bucket)
         if kind in ("fp16", "bf16"):
             calls, nbytes = 1, numel * 2
@@ -133,7 +135,7 @@ def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: HookCommStats) ->
             calls, nbytes = 1, numel * buffer.element_size()
         stats.calls += calls
         stats.bytes += nbytes
-        return fut.then(lambda f: stats._finish(start, f))
+        return fut.then(lambda f: stats._finish(start, f, round_))
 
     accel_counting_hook.__qualname__ = f"accel_counting_hook({getattr(hook, '__qualname__', repr(hook))})"
     return accel_counting_hook

@@ -6,10 +6,16 @@ operations, so the counts are exact and cost no host sync. Bytes are the unshard
 payload in the nccl-tests sense); a ring all-gather or reduce-scatter moves ``(n - 1) / n`` of that per device, so an
 FSDP step moves about ``3K(n - 1)/n`` bytes (two all-gathers and one reduce-scatter of the K parameter bytes) where DDP
 moves ``2K(n - 1)/n``.
+
+Exposed communication (``pop_exposed_s``): off CUDA, FSDP2 issues every collective synchronously on the training
+thread, so the time inside those calls is exactly what overlap did not hide. On CUDA the collectives run on FSDP's
+own streams: the exposed part is the compute stream's wait for the parameters in each pre-forward (two events around
+FSDP's pre-forward hook) plus each backward's last reduce-scatter, which nothing is left to overlap with.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +23,7 @@ import torch.distributed as dist
 
 from lit_accel.strategies._comm_stats import HookCommStats
 from lit_accel.utilities._compat import fsdp_comm_base_classes
+from lit_accel.utilities._timing import IntervalTimer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["FSDPCommStats", "install_counting_comms"]
 
 _AllGather, _ReduceScatter = fsdp_comm_base_classes()
+_MAX_ROUNDS = 4096  # rounds kept for pop_exposed_s before the completed ones are folded into a number
 
 
 class FSDPCommStats(HookCommStats):
@@ -37,10 +45,33 @@ class FSDPCommStats(HookCommStats):
         super().__init__()
         self.all_gathers = self.reduce_scatters = self.rounds = 0
         self.all_gather_bytes = self.reduce_scatter_bytes = 0
+        self._blocked_s = 0.0  # off CUDA: host time inside synchronous collectives
+        self._waits: IntervalTimer | None = None  # on CUDA: the compute stream in FSDP's pre-forward hooks
+        self._last_reduce_scatter: dict[int, tuple[Any, Any]] = {}  # on CUDA: round -> its last (start, end) events
 
     def bus_bytes(self, world_size: int) -> float:
         """Bytes per device the ring algorithms move for the counted collectives: (n - 1) / n of each payload."""
         return self.bytes * (world_size - 1) / world_size
+
+    def pop_exposed_s(self) -> float:
+        """Seconds the training waited for FSDP's collectives since the last pop (module docstring); logging steps."""
+        with self._lock:
+            blocked, self._blocked_s = self._blocked_s, 0.0
+            tails, self._last_reduce_scatter = self._last_reduce_scatter, {}
+        for _, end in tails.values():
+            end.synchronize()
+        waits = self._waits.pop_total_s() if self._waits is not None else 0.0
+        return blocked + waits + sum(start.elapsed_time(end) / 1e3 for start, end in tails.values())
+
+    def watch_parameter_waits(self, modules: list[Any], device: torch.device) -> None:
+        """On CUDA: time the compute stream through each FSDP module's pre-forward (it waits for its all-gather)."""
+        if device.type != "cuda":
+            return
+        self._waits = waits = IntervalTimer(device, time.perf_counter)
+        for module in modules:
+            # FSDP's own pre-forward hook was registered first: ours go right before it and right after it.
+            module.register_forward_pre_hook(lambda *_: waits.start(), prepend=True)
+            module.register_forward_pre_hook(lambda *_: waits.stop())
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.calls += 1
@@ -52,13 +83,26 @@ class FSDPCommStats(HookCommStats):
             self.reduce_scatters += 1
             self.reduce_scatter_bytes += nbytes
 
-    def _timed(self, work: Any, start: Any) -> Any:
-        if work is None:  # synchronous: done now
-            done: torch.futures.Future = torch.futures.Future()
-            done.set_result(None)
-            self._finish(start, done)
+    def _timed(self, work: Any, start: Any, kind: str) -> Any:
+        round_ = self.rounds  # the strategy counts the backward after it returns: this is its index
+
+        def finished(end: Any) -> None:
+            with self._lock:
+                if isinstance(start, float) and work is None:  # the training thread waited in the call
+                    self._blocked_s += end - start
+                elif not isinstance(start, float) and kind == "reduce_scatter":
+                    self._last_reduce_scatter[round_] = (start, end)
+                    if len(self._last_reduce_scatter) > _MAX_ROUNDS:  # nobody pops: fold the completed ones
+                        done = {r: pair for r, pair in self._last_reduce_scatter.items() if pair[1].query()}
+                        self._blocked_s += sum(a.elapsed_time(b) / 1e3 for a, b in done.values())
+                        self._last_reduce_scatter = {
+                            r: p for r, p in self._last_reduce_scatter.items() if r not in done
+                        }
+
+        if work is None:  # synchronous (on CUDA: enqueued on FSDP's stream, which an event now marks)
+            finished(self._record_end(start))
         else:
-            work.get_future().then(lambda fut: self._finish(start, fut))
+            work.get_future().then(lambda fut: (finished(self._record_end(start)), fut.value())[1])
         return work
 
     def _restore(self, calls: int, nbytes: int) -> None:
@@ -80,7 +124,7 @@ class _CountingAllGather(_AllGather):  # type: ignore[misc, valid-type]
         self.stats._count("all_gather", output_tensor.numel() * output_tensor.element_size())
         start = self.stats._start(output_tensor.device)
         work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        return self.stats._timed(work, start)
+        return self.stats._timed(work, start, "all_gather")
 
 
 class _CountingReduceScatter(_ReduceScatter):  # type: ignore[misc, valid-type]
@@ -98,7 +142,7 @@ class _CountingReduceScatter(_ReduceScatter):  # type: ignore[misc, valid-type]
         work = dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
         )
-        return self.stats._timed(work, start)
+        return self.stats._timed(work, start, "reduce_scatter")
 
 
 def install_counting_comms(model: nn.Module, stats: FSDPCommStats) -> int:
@@ -110,4 +154,7 @@ def install_counting_comms(model: nn.Module, stats: FSDPCommStats) -> int:
     for module in modules:
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
+    parameter = next(model.parameters(), None)
+    if parameter is not None:
+        stats.watch_parameter_waits(modules, parameter.device)
     return len(modules)

@@ -9,6 +9,7 @@ checkpointing wraps the blocks first (``torch.distributed._composable.checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -127,6 +128,9 @@ def shard_model(
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in reversed(blocks):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's forward hooks see a step's (batch, batch_idx): autocast casts what the root's own layers compute
+    # on, so casting the batch (float targets included) to the compute dtype there would only lose precision.
+    kwargs["mp_policy"] = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 

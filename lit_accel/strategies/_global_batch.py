@@ -86,7 +86,11 @@ class GlobalBatch:
                 " contradicts the GradientAccumulationScheduler callback. Fix: drop one of them."
             )
         if self.micro_batch_size is not None:
-            self._apply(trainer, module, plan_accumulation(self.global_batch_size, self.micro_batch_size, world_size))
+            try:
+                plan = plan_accumulation(self.global_batch_size, self.micro_batch_size, world_size)
+            except ValueError:
+                return  # the loader's batches may be larger and split to micro_batch_size: decided at fit start
+            self._apply(trainer, module, plan)
 
     def at_train_start(
         self,
@@ -95,32 +99,43 @@ class GlobalBatch:
         world_size: int,
         device: torch.device,
         has_lr_schedulers: bool,
-    ) -> None:
-        """Read the micro-batch from the train dataloader and apply the plan (one all-reduce when it is read)."""
+    ) -> int | None:
+        """Read the loaded batch size from the train dataloader and apply the plan (one all-reduce when it is read).
+
+        Returns the per-device size of a loaded batch (``None`` when unknown). A declared ``micro_batch_size``
+        smaller than it means each loaded batch is split into micro-batches (the strategy's ``MicroBatching``), and
+        the accumulation counts loaded batches.
+        """
         self.window_micro_batches = 0
-        loader_micro = micro_batch_size_of(trainer.train_dataloader)
+        loaded = micro_batch_size_of(trainer.train_dataloader)
+        declared = self.micro_batch_size
+        if declared is not None and loaded is not None and loaded < declared:
+            raise ValueError(
+                f"{self.owner}(micro_batch_size={declared}) disagrees with the train dataloader's batch_size={loaded}."
+                " Fix: make them equal, give the loader larger batches to split, or drop micro_batch_size."
+            )
         if self.global_batch_size is None:
-            self.resolved_micro_batch_size = loader_micro
-            return
-        if self.micro_batch_size is not None:
-            if loader_micro is not None and loader_micro != self.micro_batch_size:
-                raise ValueError(
-                    f"{self.owner}(micro_batch_size={self.micro_batch_size}) disagrees with the train dataloader's"
-                    f" batch_size={loader_micro}. Fix: make them equal, or drop micro_batch_size."
-                )
-            return
-        if loader_micro is None:
+            self.resolved_micro_batch_size = declared or loaded
+            return loaded
+        if declared is not None and (loaded is None or loaded == declared):
+            if self._applied_accumulation is None:  # it did not divide at setup: say so now
+                self._apply(trainer, module, plan_accumulation(self.global_batch_size, declared, world_size))
+            return loaded or declared  # the plan applied at setup holds
+        if loaded is None:
             raise ValueError(
                 f"{self.owner}(global_batch_size={self.global_batch_size}): the train dataloader has no readable"
                 f" batch_size (batch_size or batch_sampler.batch_size). Fix: pass {self.owner}(micro_batch_size=...)."
             )
-        self._check_same_on_all_ranks(loader_micro, world_size, device)
-        self._apply(trainer, module, plan_accumulation(self.global_batch_size, loader_micro, world_size))
-        if has_lr_schedulers and trainer.accumulate_grad_batches > 1:
+        self._check_same_on_all_ranks(loaded, world_size, device)
+        before = trainer.accumulate_grad_batches
+        self._apply(trainer, module, plan_accumulation(self.global_batch_size, loaded, world_size))
+        self.resolved_micro_batch_size = declared or loaded
+        if has_lr_schedulers and trainer.accumulate_grad_batches != before:
             rank_zero_warn(
                 f"{self.owner}: the accumulation was set at fit start, after configure_optimizers, so"
                 " trainer.estimated_stepping_batches there counted every micro-batch. Fix: pass micro_batch_size=..."
             )
+        return loaded
 
     def _apply(self, trainer: pl.Trainer, module: pl.LightningModule | None, plan: AccumulationPlan) -> None:
         if self._user_accumulation not in (1, plan.accumulate_grad_batches):

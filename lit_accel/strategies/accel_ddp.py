@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -17,6 +18,7 @@ from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies._backend import backend_for_device, check_backend_spec
 from lit_accel.strategies._comm_stats import DDPLoggingCommStats, HookCommStats
 from lit_accel.strategies._ddp_hooks import CommHook, CommHookName, counting_comm_hook, resolve_comm_hook, validate_comm
+from lit_accel.strategies._micro_batches import all_reduce_mean_
 from lit_accel.strategies.parts import AccelParts
 from lit_accel.utilities._compat import DDP_DEFAULT_LOGGING_SAMPLE_RATE, set_ddp_logging_sample_rate
 from lit_accel.utilities._validation import check_bool, check_choice, check_number
@@ -64,9 +66,12 @@ class AccelDDP(AccelParts, DDPStrategy):
             ``None`` picks nccl on CUDA, gloo on CPU.
         timeout: collective timeout. start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         global_batch_size: samples per optimizer step over all devices (sets ``accumulate_grad_batches``).
-        micro_batch_size: per-device batch size, when the loader's cannot be read (or to know it at setup).
+        micro_batch_size: per-device micro-batch: the loader's batch size (known at setup), a smaller int that splits
+            each loaded batch into chunks, or ``"auto"``: the largest that fits in memory (docs/strategies.md).
         partial_window: ``"mean"`` (exact) or ``"lightning"`` (Lightning's division by the full count).
         sync_batchnorm: ``True``, ``False`` or an :class:`~lit_accel.AccelSyncBatchNorm` (e.g. ``group_size=8``).
+        hang_timeout: seconds without progress before the :class:`~lit_accel.HangWatchdog` it adds ends the job.
+        compile: ``True`` or ``torch.compile``'s arguments: each block compiled before DDP wraps the model.
         comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, a callable ``hook(state, bucket)``, or ``None`` (DDP's own
             all-reduce, no Python hook: the fastest).
         comm_state: the hook's state (a ``PowerSGDState``, ``PostLocalSGDState``, ...; default: DDP's group).
@@ -101,13 +106,15 @@ class AccelDDP(AccelParts, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | Literal["auto"] | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
         sync_batchnorm: bool | AccelSyncBatchNorm = True,
         comm_hook: CommHookName | CommHook | None = None,
         comm_state: object | None = None,
         comm_wrapper: Callable | None = None,
         gradient_as_bucket_view: bool = True,
+        hang_timeout: float | None = 30.0,
+        compile: bool | Mapping[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
@@ -136,7 +143,9 @@ class AccelDDP(AccelParts, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_parts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm)
+        self._init_parts(
+            name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout, compile
+        )
         self._comm_hook, self._comm_state, self._comm_wrapper = hook, state, wrapper
         self._comm_stats: HookCommStats | DDPLoggingCommStats = (
             HookCommStats() if hook is not None else DDPLoggingCommStats()
@@ -164,6 +173,8 @@ class AccelDDP(AccelParts, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        assert self.model is not None
+        self._compile_blocks(self.model)  # before DDP wraps it: its gradient hooks stay outside the graphs
         super().configure_ddp()  # wraps the model; registers no hook, since DDPStrategy's ddp_comm_hook is None
         assert isinstance(self.model, DistributedDataParallel)
         counter = self._round_counter
@@ -211,15 +222,46 @@ class AccelDDP(AccelParts, DDPStrategy):
             return
         # A backward reduces every bucket once when the reducer was prepared for it: by the forward in automatic
         # optimization, by DDPStrategy.pre_backward before every manual_backward outside no_sync() in manual one.
+        model, module = self.model, self.lightning_module
+        syncing = isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync
         if not self._reducer_prepared:
-            model, module = self.model, self.lightning_module
             manual = module is not None and not module.automatic_optimization
-            self._reducer_prepared = (
-                manual and isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync
-            )
-        if self._reducer_prepared:
+            self._reducer_prepared = manual and syncing
+        if self._reducer_prepared and syncing:  # a micro-batch's local backward (no_sync) is no round
             counter.add_round()
             self._reducer_prepared = False
+
+    @override
+    def _check_micro_batching(self, auto: bool) -> None:
+        if not auto:
+            return
+        # Recovering from out-of-memory needs forwards without collectives: a rank out of memory there would leave
+        # its peers waiting in SyncBatchNorm's all-reduce or DDP's buffer broadcast.
+        module = self.lightning_module
+        broadcasts = self._ddp_kwargs.get("broadcast_buffers") is not False and any(True for _ in module.buffers())
+        if self._layer_sync is not None or broadcasts:
+            what = "SyncBatchNorm" if self._layer_sync is not None else "DDP's buffer broadcast"
+            raise ValueError(
+                f"{type(self).__name__}(micro_batch_size='auto') cannot recover from out-of-memory here: {what} makes"
+                " a collective in every forward. Fix: pass an int micro_batch_size, or sync_batchnorm=False and"
+                " broadcast_buffers=False."
+            )
+
+    @override
+    def _prepare_backward_sync(self, output: Any) -> None:
+        # Lightning's manual-optimization path: the forward ran under no_sync, the reducer is prepared now.
+        assert isinstance(self.model, DistributedDataParallel)
+        prepare_for_backward(self.model, output)
+        self._reducer_prepared = self.model.require_backward_grad_sync
+
+    @override
+    def _average_gradients(self) -> None:
+        # The unproven micro-batch size ran every backward locally (no_sync): one explicit all-reduce mean instead.
+        assert isinstance(self.model, DistributedDataParallel)
+        all_reduce_mean_([p.grad for p in self.model.parameters() if p.grad is not None], self.model.process_group)
+        if self._round_counter is not None:
+            self._round_counter.add_round()
+        self._reducer_prepared = False  # Lightning's backward of the detached loss reduces nothing
 
     @override
     def teardown(self) -> None:

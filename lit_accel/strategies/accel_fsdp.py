@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +24,7 @@ from lit_accel.utilities._validation import check_bool, check_choice
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
 
     from lit_accel.protocols import CommStats
@@ -38,10 +39,43 @@ _START_METHODS = {
 }
 _DDP_ONLY = ("static_graph", "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "comm_hook",
              "ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")  # fmt: skip
-_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
 
-class AccelFSDP(AccelParts, ModelParallelStrategy):
+class _RootCalls(ModelParallelStrategy):
+    """Every step through the root's ``__call__``, whose hooks gather the root's own parameters (a stem, a head).
+
+    Lightning calls ``training_step`` directly; one calling ``self.net(x)`` rather than ``self(x)`` would skip them.
+    """
+
+    def _step(self, context: Callable[[], Any], name: str, args: tuple, kwargs: dict) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        assert module is not None
+        with context():
+            if isinstance(module, FSDPModule):  # the wrapper is the module itself: redirect through its hooks
+                return self._forward_redirection(module, module, name, *args, **kwargs)
+            return getattr(module, name)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step(self.precision_plugin.train_step_context, "training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step(self.precision_plugin.val_step_context, "validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step(self.precision_plugin.test_step_context, "test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step(self.precision_plugin.predict_step_context, "predict_step", args, kwargs)
+
+
+class AccelFSDP(AccelParts, _RootCalls):
     """Fully sharded data parallel (FSDP2, ZeRO-3) with the global batch, exact windows, SyncBN and counted comms.
 
     Parameters, gradients and optimizer state are sharded over all ranks (``fully_shard`` on each block of the
@@ -53,7 +87,8 @@ class AccelFSDP(AccelParts, ModelParallelStrategy):
 
     Args:
         process_group_backend, timeout, start_method: as for ``AccelDDP``.
-        global_batch_size, micro_batch_size, partial_window, sync_batchnorm: as for ``AccelDDP``.
+        global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout: as for ``AccelDDP``.
+        compile: as for ``AccelDDP``; each shard block is compiled before ``fully_shard``.
         shard_policy: the blocks to shard: ``"auto"`` (the model's repeated block class), a class or tuple of
             classes, a minimum parameter count, or a callable ``module -> bool``.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3, default) or keep them to backward
@@ -84,7 +119,7 @@ class AccelFSDP(AccelParts, ModelParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | Literal["auto"] | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
         sync_batchnorm: bool | AccelSyncBatchNorm = True,
         shard_policy: sharding.ShardPolicy = "auto",
@@ -93,6 +128,8 @@ class AccelFSDP(AccelParts, ModelParallelStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: bool | sharding.ShardPolicy = False,
         state_dict_type: Literal["full", "sharded"] = "full",
+        hang_timeout: float | None = 30.0,
+        compile: bool | Mapping[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
@@ -104,6 +141,12 @@ class AccelFSDP(AccelParts, ModelParallelStrategy):
             )
         if kwargs:
             raise TypeError(f"{name} got unknown argument(s) {sorted(kwargs)}. Fix: see AccelFSDP's arguments.")
+        if micro_batch_size == "auto":
+            raise ValueError(
+                f"{name}(micro_batch_size='auto') cannot recover from out-of-memory: FSDP all-gathers parameters in"
+                " every forward, where a rank out of memory would leave its peers waiting. Fix: pass an int"
+                " micro_batch_size (batches are then split to it), or use AccelDDP."
+            )
         check_backend_spec(name, process_group_backend)
         check_choice(name, "start_method", start_method, ("popen", "spawn", "fork", "forkserver"), "'popen'")
         check_choice(name, "state_dict_type", state_dict_type, ("full", "sharded"), "'full'")
@@ -119,7 +162,9 @@ class AccelFSDP(AccelParts, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_parts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm)
+        self._init_parts(
+            name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout, compile
+        )
         self._start_method = start_method
         self.shard_policy = shard_policy
         self.reshard_after_forward = reshard_after_forward
@@ -205,6 +250,7 @@ class AccelFSDP(AccelParts, ModelParallelStrategy):
         precision = self.precision_plugin
         param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
         pin = self.root_device.type == "cuda"  # pinned host memory needs a CUDA driver
+        self._compile_blocks(model, blocks)  # per block, before fully_shard (torchtitan's order)
         sharding.shard_model(
             model,
             self.device_mesh["data_parallel"],  # 1-D: a 2-D mesh would make fully_shard replicate (HSDP)

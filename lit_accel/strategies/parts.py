@@ -14,19 +14,25 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lit_accel.callbacks.hang_watchdog import HangWatchdog
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
+from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
 from lit_accel.strategies._global_batch import GlobalBatch
+from lit_accel.strategies._micro_batches import MicroBatchChange, MicroBatching
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
 from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
+from lit_accel.utilities._validation import check_number
 from lit_accel.utilities._workarounds import resume_finished_epoch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch import Tensor
     from torch.optim import Optimizer
 
 __all__ = ["AccelParts"]
@@ -66,12 +72,29 @@ class AccelParts:
         self,
         owner: str,
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | Literal["auto"] | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
         sync_batchnorm: bool | AccelSyncBatchNorm = True,
+        hang_timeout: float | None = 30.0,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
-        self._accumulation = GlobalBatch(owner, global_batch_size, micro_batch_size, partial_window)
+        options = check_compile(owner, compile)
+        self._compilation = None if options is None else ForwardCompilation(owner, options)
+        if hang_timeout is not None:
+            check_number(owner, "hang_timeout", hang_timeout, fix="pass seconds without progress, or None for none")
+        self._hang_timeout = None if hang_timeout is None else float(hang_timeout)
+        auto = micro_batch_size == "auto"
+        if isinstance(micro_batch_size, str) and not auto:
+            raise ValueError(f"{owner}(micro_batch_size={micro_batch_size!r}): expected an int or 'auto'. Fix: 'auto'.")
+        if auto and global_batch_size is None:
+            raise ValueError(
+                f"{owner}(micro_batch_size='auto') only serves global_batch_size, which is None. Fix: pass"
+                " global_batch_size (the loader's batches are then split to fit)."
+            )
+        self._accumulation = GlobalBatch(owner, global_batch_size, None if auto else micro_batch_size, partial_window)
         self._batchnorm_sync = BatchNormSync(owner, sync_batchnorm)
+        self._micro_batch_arg = micro_batch_size
+        self._micro: MicroBatching | None = None  # set at fit start when loaded batches are split
         self._attached_trainer: pl.Trainer | None = None  # set in setup(); the strategy's hooks do not receive it
 
     @property
@@ -85,7 +108,29 @@ class AccelParts:
     @property
     def micro_batch_size(self) -> int | None:
         """Samples per forward/backward on one device, known from fit start (or construction, if given)."""
+        if self._micro is not None and self._micro.size is not None:
+            return self._micro.size
         return self._accumulation.resolved_micro_batch_size
+
+    @property
+    def micro_batch_changes(self) -> list[MicroBatchChange]:
+        """Every change ``micro_batch_size="auto"`` made (optimizer step, old size, new size)."""
+        return [] if self._micro is None else list(self._micro.changes)
+
+    def _check_micro_batching(self, auto: bool) -> None:
+        """Refuse what the strategy cannot split batches with (AccelDDP: auto with collectives in forward)."""
+
+    def _average_gradients(self) -> None:
+        """Average the gradients over ranks now (after micro-batches whose backward all stayed local)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot average gradients outside its backward")
+
+    def _prepare_backward_sync(self, output: Any) -> None:
+        """Let the next backward reduce after a forward run under ``block_backward_sync`` (AccelDDP: the reducer)."""
+
+    def _discard_gradients(self) -> None:
+        """Drop the gradients of an attempt that failed (out of memory) on some rank."""
+        for param in self.lightning_module.parameters():  # type: ignore[union-attr]
+            param.grad = None
 
     @property
     def sync_bn_group_size(self) -> int | None:
@@ -106,27 +151,60 @@ class AccelParts:
         """The parts' share of ``setup``: the accumulation when known, and which SyncBN plugin to apply."""
         self._attached_trainer = trainer
         if trainer.state.fn == TrainerFn.FITTING:
+            self._add_hang_watchdog(trainer)
             self._accumulation.at_setup(trainer, self.lightning_module, self.world_size)
             self._check_accumulation(trainer.accumulate_grad_batches)
             layer_sync = self._batchnorm_sync.resolve(get_layer_sync(self), self.lightning_module, self.world_size)
             set_layer_sync(self, layer_sync)
 
+    def _add_hang_watchdog(self, trainer: pl.Trainer) -> None:
+        # The user's own HangWatchdog (first in trainer.callbacks) wins; the others' allowances stay at least timeout.
+        timeout = self._hang_timeout
+        if timeout is not None and not any(isinstance(cb, HangWatchdog) for cb in trainer.callbacks):
+            longer = max(600.0, timeout)
+            trainer.callbacks.append(HangWatchdog(timeout, longer, longer, longer))
+
     @override
     def on_train_start(self) -> None:
         trainer = self._attached_trainer
         assert trainer is not None
-        self._accumulation.at_train_start(
+        loaded = self._accumulation.at_train_start(
             trainer, self.lightning_module, self.world_size, self.root_device, bool(self.lr_scheduler_configs)
         )
         self._check_accumulation(trainer.accumulate_grad_batches)
+        self._micro = self._micro_batching(loaded)
         super().on_train_start()  # type: ignore[misc]
+
+    def _micro_batching(self, loaded: int | None) -> MicroBatching | None:
+        arg = self._micro_batch_arg
+        if self._micro is not None and self._micro.auto:
+            return self._micro  # a further fit keeps what it learned
+        if arg != "auto" and (arg is None or loaded is None or arg >= loaded):
+            return None
+        owner = type(self).__name__
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            raise ValueError(
+                f"{owner}(micro_batch_size={arg!r}) splits batches inside Lightning's automatic optimization, but"
+                f" {type(module).__name__} uses manual optimization. Fix: drop micro_batch_size."
+            )
+        self._check_micro_batching(arg == "auto")
+        return MicroBatching(owner, arg)  # type: ignore[arg-type]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         # Lightning starts a window at batch_idx % k == 0 and forces a step on an epoch's last batch, so only that
         # window can be shorter than k.
         self._accumulation.window_micro_batches += 1
+        if self._micro is not None:
+            return self._micro.run(self, super().training_step, args[0], args[1:], kwargs)  # type: ignore[misc]
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._micro is not None:
+            self._micro.restore_gradients()  # the earlier micro-batches' share, held over Lightning's zero_grad
+        super().pre_backward(closure_loss)  # type: ignore[misc]
 
     @override
     def optimizer_step(
@@ -140,10 +218,20 @@ class AccelParts:
         accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
         automatic = module is None or module.automatic_optimization
         closure = self._accumulation.wrap_closure(closure, optimizer, accumulation, automatic)
+        if self._micro is not None:
+            closure = _restoring(closure, self._micro)
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         finally:
             self._accumulation.window_micro_batches = 0
+
+    @override
+    def on_train_end(self) -> None:
+        micro = self._micro
+        if micro is not None and micro.auto:
+            changes = ", ".join(f"step {c.step}: {c.old} -> {c.new}" for c in micro.changes) or "none"
+            rank_zero_info(f"{type(self).__name__}: micro-batch {micro.size} per device (auto; changes: {changes}).")
+        super().on_train_end()  # type: ignore[misc]
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -152,6 +240,17 @@ class AccelParts:
         trainer = self._attached_trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             resume_finished_epoch(trainer)
+
+    def _compile_blocks(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
+        """Compile the blocks' ``forward`` before the strategy wraps or shards ``model`` (``compile=`` set)."""
+        if self._compilation is not None:
+            self._compilation.apply(compile_targets(type(self).__name__, model, blocks))
+
+    @override
+    def teardown(self) -> None:
+        if self._compilation is not None:
+            self._compilation.revert()
+        super().teardown()  # type: ignore[misc]
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -162,3 +261,14 @@ class AccelParts:
             first_rank = self.node_rank * self.num_processes
             children = [(first_rank + local, proc) for local, proc in launched_child_processes(self)]
             explain_peer_failure(exception, self.world_size, children)
+
+
+def _restoring(closure: Callable[[], Any], micro: MicroBatching) -> Callable[[], Any]:
+    """``closure``, then the held micro-batch gradients back (when Lightning skipped the backward)."""
+
+    def run() -> Any:
+        result = closure()
+        micro.restore_gradients()
+        return result
+
+    return run

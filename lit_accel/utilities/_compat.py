@@ -316,3 +316,56 @@ def default_process_group_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+# --- Observability: the end of a backward pass and torch.compile's counters (tests:
+# tests/utilities/test_compat_observability.py)
+
+
+def queue_backward_callback(callback: Any) -> bool:
+    """Run ``callback()`` when the running backward pass ends (``Variable._execution_engine.queue_callback``).
+
+    The autograd engine runs queued callbacks after the last backward op of the pass, in the order they were queued;
+    DDP's reducer queues its ``finalize_backward`` (which waits for the buckets' collectives) when its last bucket is
+    ready, so a callback queued from a DDP comm hook runs first: at the end of the backward's own compute. Returns
+    ``False`` (and queues nothing) outside a backward pass.
+    """
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    return True
+
+
+def dynamo_compile_counts() -> tuple[int, int]:
+    """``(compilations, recompilations)`` torch.compile made in this process (``convert_frame.FRAME_COMPILE_COUNTER``).
+
+    Dynamo counts the compilations of each frame (a code object); every one after a frame's first is a recompilation
+    (a guard failed: a new shape, dtype or Python value). ``(0, 0)`` if ``torch._dynamo`` was never imported, which
+    this does not do (importing it takes a second).
+    """
+    import sys
+
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is None:
+        return 0, 0
+    counts = list(convert_frame.FRAME_COMPILE_COUNTER.values())
+    return sum(counts), sum(max(0, c - 1) for c in counts)
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward pass running on this thread, -1 outside one (``torch._C._current_graph_task_id``).
+
+    Tells the buckets of one backward from the next one's, also after a backward that raised before its end.
+    """
+    return int(torch._C._current_graph_task_id())
+
+
+def all_gather_flat(output: torch.Tensor, local: torch.Tensor) -> None:
+    """Gather every rank's ``local`` into ``output`` in rank order (``all_gather_single`` where torch has it).
+
+    torch 2.14 deprecated ``all_gather_into_tensor`` for ``all_gather_single`` (same arguments); older torch has only
+    the first. Blocking, on the default group.
+    """
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(output, local)

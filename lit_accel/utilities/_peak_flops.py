@@ -292,11 +292,12 @@ def matmul_precision(trainer_precision: str | int | None) -> MatmulPrecision:
     """The precision the run's matmuls execute in, from Lightning's ``trainer.precision`` string.
 
     ``"bf16-mixed"``/``"bf16-true"`` -> ``"bf16"``; ``"16-mixed"``/``"16-true"`` -> ``"fp16"``;
-    ``"transformer-engine*"`` -> ``"fp8"``; ``"64-true"`` -> ``"fp64"``; ``"32-true"`` -> ``"tf32"`` when PyTorch
-    lets fp32 matmuls use TF32 (:func:`fp32_uses_tf32`), else ``"fp32"``. ``None`` is read as ``"32-true"``.
+    ``"transformer-engine*"`` and ``AccelPrecision``'s ``"fp8-mixed"`` -> ``"fp8"``; ``"64-true"`` -> ``"fp64"``;
+    ``"32-true"`` -> ``"tf32"`` when PyTorch lets fp32 matmuls use TF32 (:func:`fp32_uses_tf32`), else ``"fp32"``.
+    ``None`` is read as ``"32-true"``.
     """
     p = str(trainer_precision if trainer_precision is not None else "32-true").lower()
-    if p.startswith("transformer-engine"):
+    if p.startswith(("transformer-engine", "fp8")):
         return "fp8"
     if p.startswith("bf16"):
         return "bf16"

@@ -113,3 +113,39 @@ def test_scaling_tiny_writes_the_plot_and_a_unit_baseline(tmp_path):
     for curve in curves.values():
         weak = [curve["weak"][n] for n in sorted(curve["weak"], key=int)]
         assert weak == sorted(weak, reverse=True)
+
+
+@pytest.mark.slow
+def test_syncbn_tiny_measures_three_cases_and_their_communication_limit(tmp_path):
+    result, _ = _run("syncbn.py", tmp_path, "--tiny")
+    cases = result["cases"]
+    assert list(cases) == ["nchw", "channels_last", "bn1d"]
+    assert [cases[c]["memory_format"] for c in cases] == ["contiguous", "channels_last", "contiguous"]
+    assert cases["bn1d"]["input_per_rank"] == [16, 32]
+    for case in cases.values():
+        assert case["ratio_portable_over_local"]["n"] == result["setup"]["reps"] == 3
+        # (local + the two bare collectives) / local: above 1 whatever the machine's speed.
+        assert case["communication_limit_ratio"]["min"] > 1
+    # The script's original keys are the nchw case's.
+    assert result["median_ms"] == cases["nchw"]["median_ms"]
+    assert result["ratio_portable_over_local"] == cases["nchw"]["ratio_portable_over_local"]["median"]
+    assert set(result["median_ms"]) >= {"local_bn_fwd_bwd", "portable_syncbn_fwd_bwd", "all_reduce_2C+1_fp64"}
+
+
+@pytest.mark.slow
+def test_memory_tiny_shows_each_lever_saving_memory_per_rank(tmp_path):
+    result, _ = _run("memory.py", tmp_path, "--tiny")
+    arms = result["arms"]
+    assert set(arms) == {f"{s}/{p}" for s in ("ddp", "fsdp", "fsdp_ac") for p in ("fp32", "bf16", "fp16")}
+    ddp, fsdp = arms["ddp/fp32"]["max_over_ranks_mb"], arms["fsdp/fp32"]["max_over_ranks_mb"]
+    assert ddp["grads"] == ddp["params"] > 0 and ddp["optimizer"] > 1.99 * ddp["params"]  # fp32 grads, AdamW moments
+    for key in ("params", "grads", "optimizer"):  # sharded over 2 ranks (the largest rank's share of uneven shards)
+        assert fsdp[key] < 0.6 * ddp[key]
+    assert fsdp["activations"] == ddp["activations"]  # FSDP2's gathered parameters are not activations
+    for strategy in ("ddp", "fsdp", "fsdp_ac"):
+        fp32 = arms[f"{strategy}/fp32"]["max_over_ranks_mb"]["activations"]
+        for half in ("bf16", "fp16"):
+            assert arms[f"{strategy}/{half}"]["max_over_ranks_mb"]["activations"] < 0.75 * fp32
+    assert arms["fsdp_ac/fp32"]["max_over_ranks_mb"]["activations"] < 0.5 * fsdp["activations"]
+    casts = {arm: arms[arm]["max_over_ranks_mb"]["param_casts"] for arm in ("ddp/bf16", "fsdp/bf16")}
+    assert casts["ddp/bf16"] > 0 and casts["fsdp/bf16"] == 0  # autocast's weight copies; FSDP2 gathers bf16 instead

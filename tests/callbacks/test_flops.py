@@ -130,13 +130,14 @@ def test_a_float8_scaled_mm_is_booked_as_fp8():
     assert count.by_dtype == {"fp8": 2 * m * k * n}  # the float32 scales do not make it an fp32 matmul
 
 
-def test_torchao_float8_training_is_booked_as_fp8_on_the_emulated_cpu_path():
+@pytest.mark.parametrize(("emulate", "body"), [(False, "fp8"), (True, "fp32")])
+def test_torchao_float8_linears_are_fp8_unless_emulated_which_runs_fp32_matmuls(emulate, body):
     float8 = pytest.importorskip("torchao.float8")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False), nn.Linear(32, 16))
     # The head (net.2) stays in high precision, as torchtitan keeps its output layer.
     float8.convert_to_float8_training(
-        net, config=float8.Float8LinearConfig(emulate=True), module_filter_fn=lambda _, fqn: fqn != "2"
+        net, config=float8.Float8LinearConfig(emulate=emulate), module_filter_fn=lambda _, fqn: fqn != "2"
     )
     x = torch.randn(B, 32)
 
@@ -144,10 +145,13 @@ def test_torchao_float8_training_is_booked_as_fp8_on_the_emulated_cpu_path():
         net(x).sum().backward()
 
     count = measure_flops(step)
-    # FlopCounterMode sees aten.mm on Float8TrainingTensor operands (inner data float8), emulated or not; torchao's
-    # backward computes the first layer's input gradient too, so every float8 linear costs 3 matmuls.
+    # FlopCounterMode sees aten.mm on Float8TrainingTensor operands (inner data float8) either way; torchao's
+    # backward computes the first layer's input gradient too, so every float8 linear costs 3 matmuls. Emulated (the
+    # CPU default), torchao multiplies the dequantized values with an fp32 torch.mm: fp32 FLOPs at the fp32 rate.
     head = _linear_training_flops(B, 32, 16, input_grad=True)
-    assert count.by_dtype == {"fp8": 3 * 2 * B * (32 * 64 + 64 * 32), "fp32": head}
+    float8_linears = 3 * 2 * B * (32 * 64 + 64 * 32)
+    expected = {"fp8": float8_linears, "fp32": head} if body == "fp8" else {"fp32": float8_linears + head}
+    assert count.by_dtype == expected
     with FlopCounterMode(display=False) as plain:
         step()
     assert count == plain.get_total_flops()

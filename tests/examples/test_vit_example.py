@@ -7,10 +7,10 @@ The CLI tests run the script exactly as a user would (``python examples/vit.py .
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from tests.examples._scripts import imported_example
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -29,14 +31,8 @@ TABLE_TITLE = "ViT case study: results"
 @pytest.fixture(scope="module")
 def vit():
     """The example script imported as a module (its helper ``_vit_data`` sits next to it)."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location("vit_example", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with imported_example(SCRIPT, "vit_example") as module:
         yield module
-    finally:
-        sys.path.remove(str(EXAMPLES))
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +73,9 @@ def test_cli_two_cpu_processes_train_and_print_the_final_table(tmp_path, vit):
     assert proc.returncode == 0, _fail_message(proc)
     assert TABLE_TITLE in proc.stdout, _fail_message(proc)
     assert "Traceback" not in proc.stderr
+    # the model summary ran one example image through the model (it printed "Total FLOPs: 0" without one)
+    flops = re.search(r"Total FLOPs: ([\d.]+)", proc.stdout)
+    assert flops and float(flops.group(1)) > 0, _fail_message(proc)
 
     results = json.loads((tmp_path / "results.json").read_text())
     accumulate = vit.IMAGENET_DEFAULTS["accumulate"]  # the seed's 4-step accumulation is the non-digits default
@@ -91,6 +90,10 @@ def test_cli_two_cpu_processes_train_and_print_the_final_table(tmp_path, vit):
     assert 0.0 <= results["val_acc"] <= 1.0
     efficiency = json.loads((tmp_path / "efficiency.json").read_text())
     assert results["samples_per_sec"] == pytest.approx(efficiency["averages"]["samples_per_sec"])
+    memory = json.loads((tmp_path / "memory.json").read_text())  # MemoryMonitor's report, every rank's bytes
+    assert memory["summary"]["params_mb"] > 0
+    # each report has its picture beside it (matplotlib is in the test extra)
+    assert (tmp_path / "efficiency.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
     assert results["samples_per_sec"] > 0
 
     # CSV logs, checkpoint, efficiency report and the resolved configuration are all in --output-dir.
@@ -123,6 +126,16 @@ def test_torchrun_two_cpu_processes_with_syncbn_on_a_batchnorm_model(tmp_path):
     assert results["sync_batchnorm_layers"] == results["batchnorm_layers"] > 0
     assert results["optimizer_steps"] == 3
     assert results["global_batch_size"] == 16 * 2
+
+
+def test_fp8_mixed_trains_the_digits_vit_and_evaluates(tmp_path):
+    proc = _run(["--max-steps", "3", "--precision", "fp8-mixed", "--output-dir", str(tmp_path)], timeout=240)
+    assert proc.returncode == 0, _fail_message(proc)
+    # every Linear of the blocks converts (emulated on CPU); the 10-class head cannot (10 is no multiple of 16)
+    assert re.search(r"FP8 \(torchao, emulated on cpu.*\): 16 of 17 Linear layers converted", proc.stdout + proc.stderr)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["precision"] == "fp8-mixed" and math.isfinite(results["train_loss"])
+    assert 0.0 <= results["val_acc"] <= 1.0  # the closing validation ran (outside inference mode, see precision.md)
 
 
 def test_cli_global_batch_not_divisible_is_a_one_line_error(tmp_path):
@@ -293,6 +306,20 @@ def test_models_take_the_data_shape_and_count_batchnorms(vit):
     assert vit.count_batchnorms(resnet) == sum(isinstance(m, torch.nn.BatchNorm2d) for m in resnet.modules()) > 0
 
 
+@pytest.mark.parametrize(("name", "img_size"), [("vit_digits", 16), ("resnet18", 32)])
+def test_the_model_summary_counts_the_flops_of_one_example_image(vit, name, img_size):
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+    from torch.utils.flop_counter import FlopCounterMode
+
+    net = vit.build_model(name, num_classes=10, in_chans=1, img_size=img_size)
+    module = vit.ImageClassifier(net, 10, 1e-3, 0.05, None, input_shape=(1, img_size, img_size))
+    assert tuple(module.example_input_array.shape) == (1, 1, img_size, img_size)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        net.eval()
+        net(torch.zeros(1, 1, img_size, img_size))
+    assert ModelSummary(module).total_flops == counter.get_total_flops() > 0
+
+
 def _image_folder(root: Path, classes: int, per_class: dict[str, int]) -> Path:
     from PIL import Image
 
@@ -332,7 +359,7 @@ def test_image_folder_uses_timm_transforms_and_trains(vit, vit_data, tmp_path, m
 def test_only_lit_accel_argument_errors_become_one_line_errors(vit):
     # lit_accel documents ValueError/TypeError for bad settings: those are configuration errors, shown in one line.
     with pytest.raises(ValueError) as from_lit_accel:
-        vit.AccelPrecision("fp8-mixed")
+        vit.AccelPrecision("int8-mixed")
     assert vit._is_lit_accel_config_error(from_lit_accel.value)
     # The same types raised anywhere else are bugs and keep their traceback.
     with pytest.raises(ValueError) as elsewhere:

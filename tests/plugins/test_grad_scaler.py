@@ -207,3 +207,16 @@ def test_pickle_round_trip_keeps_scale_tracker_and_counters():
     assert clone.state_dict() == scaler.state_dict()
     _step(clone, param, opt, overflow=True)  # and it keeps working: second overflow in a row backs off
     assert clone.get_scale() == 16.0
+
+
+def test_a_meter_attaches_before_the_scaler_has_a_device():
+    # Fabric builds the plugin (and the scaler) before it knows the device: the meter waits instead of raising.
+    from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
+
+    from lit_accel import LossScaleMeter
+
+    scaler = DynamicGradScaler(init_scale=8.0)
+    meter = LossScaleMeter()
+    assert meter.attach(FabricMixedPrecision("16-mixed", "cpu", scaler=scaler))
+    scaler.to("cpu")
+    assert meter.compute(0)["loss_scale"] == 8.0

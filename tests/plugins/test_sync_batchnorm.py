@@ -334,3 +334,139 @@ def test_without_distributed_it_is_plain_batchnorm_and_never_communicates(monkey
         assert_close(getattr(sync, name), getattr(ref, name), name, 1e-6)
     assert calls == []
     assert "process_group=world" in repr(sync)
+
+
+def _large_mean_errors(rank: int, world_size: int) -> dict[str, float]:
+    """The data of ``_large_mean``: errors of the output and running variance over that test's tolerance, with the
+    statistics combined in float64 (the layer) and in float32 (``_stats_dtype`` replaced)."""
+    sizes, shape, mean, std = (6, 10), (3, 4, 4), 1e3, 1.0
+    lo, hi = (0, 6) if rank == 0 else (6, 16)
+    gen = torch.Generator().manual_seed(2)
+    inputs = (torch.randn(sum(sizes), *shape, generator=gen, dtype=torch.float64) * std + mean).float()
+    ref = nn.BatchNorm2d(3, momentum=None).double()
+    y_ref = ref(inputs.double())
+    tol = 4 * torch.finfo(torch.float32).eps * mean / std
+    errors = {}
+    real = sbn._stats_dtype
+    for name, stats_dtype in (("float64", real), ("float32", lambda compute_dtype, device: compute_dtype)):
+        sbn._stats_dtype = stats_dtype
+        sync = SyncBatchNorm(3, momentum=None)
+        y = sync(inputs[lo:hi])
+        errors[f"{name} output"] = (y.double() - y_ref[lo:hi]).abs().max().item() / tol
+        errors[f"{name} running_var"] = (sync.running_var.double() - ref.running_var).abs().max().item() / tol
+    sbn._stats_dtype = real
+    return errors
+
+
+def test_large_mean_small_std_needs_the_float64_combination():
+    # Why the 2C+1 statistics are combined in float64: in float32, E[x²] − E[x]² misses the tolerance of
+    # test_large_mean_small_std_matches_float64_batchnorm many times over; in float64 it is within it.
+    for errors in run_distributed(_large_mean_errors, 2):
+        assert errors["float64 output"] <= 1 and errors["float64 running_var"] <= 1, errors
+        assert errors["float32 output"] > 10 and errors["float32 running_var"] > 10, errors
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The native kernels' layouts and dtypes: channels-last without copies, float16/bfloat16 inputs, BatchNorm1d
+
+
+# Ops that copy a tensor; none may touch one of the input's size (checked through the profiler's recorded shapes).
+# aten::to is not one: it records an event even when it returns its input; a real conversion is an aten::_to_copy.
+_COPY_OPS = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy"}
+_FORMATS = {"contiguous": torch.contiguous_format, "cl": torch.channels_last, "cl3d": torch.channels_last_3d}
+# (C, *spatial), memory format, dtype. C = 37 and 20 exercise the kernels' vector loops over channels and their tails.
+_LAYOUT_CASES = [
+    ((37,), "contiguous", torch.float32),  # BatchNorm1d on (N, C)
+    ((19, 13), "contiguous", torch.float32),  # BatchNorm1d on (N, C, L)
+    ((20, 5, 7), "contiguous", torch.float32),
+    ((20, 5, 7), "cl", torch.float32),
+    ((6, 3, 4, 5), "cl3d", torch.float32),
+    ((37,), "contiguous", torch.bfloat16),
+    ((19, 13), "contiguous", torch.float16),
+    ((20, 5, 7), "cl", torch.bfloat16),
+]
+
+
+def _assert_within(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float, atol: float) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _full_size_copies(prof: Any, shape: Sequence[int]) -> list[str]:
+    return [e.key for e in prof.events() if e.key in _COPY_OPS and list(shape) in [list(s) for s in e.input_shapes]]
+
+
+def _layouts_and_dtypes(rank: int, world_size: int, device_type: str = "cpu") -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device_type, 0 if device_type == "cuda" else None)
+    # CUDA: the reference is cuDNN's BatchNorm, whose float32 rounding differs a little more from the native kernels.
+    tol = 1e-4 if device_type == "cuda" else 1e-5
+    sizes = (5, 7)
+    lo, hi = (0, 5) if rank == 0 else (5, 12)
+    ops_seen: set[str] = set()
+    for seed, (feature_shape, fmt_name, dtype) in enumerate(_LAYOUT_CASES):
+        fmt, num_channels = _FORMATS[fmt_name], feature_shape[0]
+        where = f"rank {rank}, shape {feature_shape}, {fmt_name}, {dtype}, {device_type}"
+        gen = torch.Generator().manual_seed(seed)
+        # Values representable in `dtype`, so that the float32 reference sees the same numbers.
+        scale = torch.rand(num_channels, generator=gen).view(1, -1, *([1] * (len(feature_shape) - 1))) * 3 + 0.2
+        inputs = (torch.randn(sum(sizes), *feature_shape, generator=gen) * scale + 0.5).to(dtype).float().to(device)
+        upstream = torch.randn(sum(sizes), *feature_shape, generator=gen).to(dtype).float().to(device)
+        ref = _BN_BY_NDIM[len(feature_shape) + 1](num_channels)
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5, generator=gen)
+            ref.bias.uniform_(-1, 1, generator=gen)
+        sync = make_portable()(ref).to(device)
+        ref.to(device)
+        x_ref = inputs.clone().requires_grad_()
+        y_ref = ref(x_ref)
+        (y_ref * upstream).sum().backward()
+        y_ref = y_ref[lo:hi].detach()
+
+        x = inputs[lo:hi].to(dtype).contiguous(memory_format=fmt).requires_grad_()
+        dy = upstream[lo:hi].to(dtype).contiguous(memory_format=fmt)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as forward:
+            y = sync(x)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as backward:
+            y.backward(dy)
+        ops_seen |= {e.key for e in (*forward.events(), *backward.events())}
+        # The input is read where it lies: no copy in forward; in backward only float16/bfloat16 on CPU are
+        # converted (float32 arithmetic, see _grad_input).
+        assert _full_size_copies(forward, x.shape) == [], where
+        if dtype == torch.float32 or device_type == "cuda":
+            assert _full_size_copies(backward, x.shape) == [], where
+        assert y.dtype == dtype and y.is_contiguous(memory_format=fmt), where
+        assert x.grad.dtype == dtype and x.grad.is_contiguous(memory_format=fmt), where
+
+        grads = torch.cat([sync.weight.grad, sync.bias.grad])
+        dist.all_reduce(grads)
+        if dtype == torch.float32:
+            assert_close(y, y_ref, f"{where}: output", tol)
+            assert_close(x.grad, x_ref.grad[lo:hi], f"{where}: input grad", tol)
+        else:
+            # float32 statistics and arithmetic, rounded once to the dtype (as test_autocast_...).
+            eps = torch.finfo(dtype).eps
+            _assert_within(y.float(), y_ref, f"{where}: output", rtol=eps, atol=eps)
+            grad_scale = x_ref.grad.abs().max().item()
+            _assert_within(x.grad.float(), x_ref.grad[lo:hi], f"{where}: input grad", rtol=eps, atol=eps * grad_scale)
+        assert_close(grads, torch.cat([ref.weight.grad, ref.bias.grad]), f"{where}: weight/bias grads", 1e-4)
+        for name in ("running_mean", "running_var"):
+            assert_close(getattr(sync, name), getattr(ref, name), f"{where}: {name}", tol)
+    return sorted(op for op in ops_seen if op.startswith("aten::batch_norm") or op.startswith("aten::native_batch"))
+
+
+def test_channels_last_low_precision_and_batchnorm1d_inputs_match_the_joint_batch_without_copies():
+    """BatchNorm1d (N, C) and (N, C, L), 2-D and 3-D channels-last, bfloat16/float16 inputs of a float32 layer:
+    output and input gradient in the input's dtype and memory format, equal to BatchNorm on the joint batch, and no
+    op copies a tensor of the input's size (forward; and backward for float32)."""
+    native = ["aten::batch_norm_update_stats", "aten::native_batch_norm", "aten::native_batch_norm_backward"]
+    assert run_distributed(_layouts_and_dtypes, 2) == [native] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_uses_the_native_cuda_kernels_and_matches_the_joint_batch():
+    # Two ranks share GPU 0 through gloo (which carries CUDA tensors); spawned, as a forked child cannot use CUDA.
+    ranks = run_distributed(_layouts_and_dtypes, 2, "cuda", start_method="spawn", timeout=300)
+    for ops in ranks:
+        assert {"aten::batch_norm_backward_reduce", "aten::batch_norm_backward_elemt"} <= set(ops), ops
+        assert "aten::native_batch_norm_backward" not in ops, ops

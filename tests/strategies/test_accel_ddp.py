@@ -19,8 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
-from lit_accel import AccelDDP
-from lit_accel import AccelSyncBatchNorm
+from lit_accel import AccelDDP, AccelSyncBatchNorm
 from lit_accel.protocols import CommStats
 from lit_accel.strategies._comm_stats import DDPLoggingCommStats, HookCommStats
 from lit_accel.strategies._ddp_hooks import resolve_comm_hook
@@ -650,3 +649,10 @@ def test_a_callable_hook_without_state_gets_ddps_process_group():
     assert state is group and kind == "custom"
     mine = object()
     assert resolve_comm_hook(default_hooks.allreduce_hook, mine, None, group)[1] is mine
+
+
+def test_sync_bn_group_size_reports_the_trainers_own_plugin():
+    strategy = AccelDDP()
+    trainer = pl.Trainer(strategy=strategy, plugins=[AccelSyncBatchNorm(group_size=1)], **small_trainer_kwargs())
+    trainer.fit(BNModel(), make_loader(make_dataset(16), 4))
+    assert strategy.sync_bn_group_size == 1  # the Trainer's plugin, not the strategy's default (None: all ranks)

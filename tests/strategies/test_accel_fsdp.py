@@ -180,3 +180,29 @@ def test_the_efficiency_monitor_reports_fsdps_all_gathers_and_reduce_scatters():
         # Every block is gathered in forward and again in backward, and reduce-scattered once: 3K per step (the
         # ring model: 3K (n - 1) / n per device against DDP's 2K (n - 1) / n). No padding at this size.
         assert result["per_step"] == pytest.approx(3 * result["k"])
+
+
+class _RootParameter(BNModel):
+    """A parameter of the root itself, used by a training_step that calls ``self.net(x)`` rather than ``self(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__(batchnorm=False)
+        self.gain = nn.Parameter(torch.full((1,), 1.5))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x) * self.gain, y)
+
+
+def _root_parameter_runs(rank: int, world: int) -> dict[str, Any]:
+    return {
+        name: _fit(rank, world, cls(global_batch_size=16), STEPS, make_model=_RootParameter)["state"]
+        for name, cls in (("fsdp", AccelFSDP), ("ddp", AccelDDP))
+    }
+
+
+def test_the_roots_own_parameters_are_gathered_when_the_step_bypasses_forward():
+    # FSDP2 gathers the root's parameters in the root's forward hooks; Lightning calls training_step directly
+    for runs in run_distributed(_root_parameter_runs, 2, init_process_group=False, timeout=180):
+        _close(runs["fsdp"], runs["ddp"])
+        assert abs(runs["fsdp"]["gain"].item() - 1.5) > 1e-3  # the root's parameter trained

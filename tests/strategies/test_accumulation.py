@@ -351,7 +351,7 @@ def _refusals(rank: int, world_size: int) -> dict[str, tuple[str, bool, int]]:
         ),
         "unreadable": _error_of(rank, world_size, _strategy(32, counted=True), loader=nosize),
         "per_rank": _error_of(rank, world_size, _strategy(32, counted=True), batch_size=8 if rank else 4),
-        "micro_mismatch": _error_of(rank, world_size, _strategy(32, counted=True, micro_batch_size=4)),
+        "micro_mismatch": _error_of(rank, world_size, _strategy(32, counted=True, micro_batch_size=16)),
         "explicit_micro": _explicit_micro_batch_size_run(rank, world_size, nosize),
     }
 
@@ -389,7 +389,7 @@ def refusals() -> list[dict[str, tuple[str, bool, int]]]:
         ("scheduler", ["GradientAccumulationScheduler", "Fix: drop one"]),
         ("unreadable", ["no readable batch_size", r"Fix: pass AccelDDP\(micro_batch_size=...\)"]),
         ("per_rank", ["differ between ranks", "from 4 to 8"]),
-        ("micro_mismatch", [r"micro_batch_size=4\)", "batch_size=8"]),
+        ("micro_mismatch", [r"micro_batch_size=16\)", "batch_size=8"]),
     ],
 )
 def test_invalid_accumulation_configurations_raise_before_any_step(refusals, case, patterns):

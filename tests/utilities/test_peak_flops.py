@@ -91,6 +91,7 @@ def test_every_entry_has_plausible_dense_figures():
         ("16-mixed", "fp16"),
         ("16-true", "fp16"),
         ("transformer-engine", "fp8"),
+        ("fp8-mixed", "fp8"),  # AccelPrecision's FP8 training
         ("64-true", "fp64"),
     ],
 )
@@ -131,6 +132,12 @@ MIB, GB = 2**20, 10**9
         ("NVIDIA H200 NVL", {}, "h200 nvl"),
         ("NVIDIA H200 NVL", {"memory_bytes": 143771 * MIB, "power_limit_w": 600}, "h200 nvl"),
         ("NVIDIA H200 PCIe", {}, "h200 nvl"),  # NVIDIA's vGPU tables name the NVL card so
+        # Other spellings of the same parts (cloud images, containers, nvidia-smi -L): the name decides, then power.
+        ("NVIDIA H200 141GB HBM3e", {}, "h200 sxm"),
+        ("NVIDIA H200 SXM5 141GB", {"power_limit_w": 700}, "h200 sxm"),
+        ("NVIDIA-H200", {}, "h200 sxm"),
+        ("nvidia h200 nvl", {}, "h200 nvl"),
+        ("NVIDIA H200 NVL 141GB", {"power_limit_w": 600}, "h200 nvl"),
         ("NVIDIA H100 80GB HBM3", {}, "h100 sxm"),
         ("NVIDIA H100 80GB HBM3", {"memory_bytes": 81559 * MIB, "power_limit_w": 700}, "h100 sxm"),
         ("NVIDIA H100 SXM5 80GB", {}, "h100 sxm"),

@@ -1,0 +1,145 @@
+"""The arithmetic of :class:`~lit_accel.meters.MemoryMeter`: per-rank byte counts in, named metrics out.
+
+Pure Python, so every formula is tested with exact numbers. MB = 1e6 bytes (``lit_accel/utilities/_units.py``).
+Formulas and the meaning of each key: ``docs/monitors.md`` (MemoryMonitor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["DTYPE_SLOTS", "DtypeBytes", "RankMemory", "lever_savings", "memory_metrics"]
+
+#: The dtype split of every category, in vector order ("fp8": any float8 format; "other": ints, bools, complex...).
+DTYPE_SLOTS = ("fp32", "bf16", "fp16", "fp8", "fp64", "other")
+_HALF = ("bf16", "fp16")
+
+
+@dataclass
+class DtypeBytes:
+    """Bytes of one category on one rank, split by dtype."""
+
+    fp32: float = 0.0
+    bf16: float = 0.0
+    fp16: float = 0.0
+    fp8: float = 0.0
+    fp64: float = 0.0
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """All dtypes together."""
+        return sum(getattr(self, slot) for slot in DTYPE_SLOTS)
+
+    def add(self, slot: str, nbytes: float) -> None:
+        """Book ``nbytes`` under ``slot`` (one of :data:`DTYPE_SLOTS`)."""
+        setattr(self, slot, getattr(self, slot) + nbytes)
+
+    def nonzero(self) -> dict[str, float]:
+        """``{slot: bytes}`` of the dtypes present, in :data:`DTYPE_SLOTS` order."""
+        return {slot: getattr(self, slot) for slot in DTYPE_SLOTS if getattr(self, slot)}
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory, as one vector for one collective.
+
+    ``*_unsharded`` are the bytes the same tensors would take unsharded (their global shape: equal to the local total
+    without sharding). ``param_casts`` are the saved low-precision copies of parameters (autocast's per-op casts),
+    kept out of ``activations``. ``state_recorded`` and ``activations_measured`` are 0/1 flags.
+    """
+
+    params: DtypeBytes = field(default_factory=DtypeBytes)
+    grads: DtypeBytes = field(default_factory=DtypeBytes)
+    optimizer: DtypeBytes = field(default_factory=DtypeBytes)
+    activations: DtypeBytes = field(default_factory=DtypeBytes)
+    param_casts: float = 0.0
+    params_unsharded: float = 0.0
+    grads_unsharded: float = 0.0
+    optimizer_unsharded: float = 0.0
+    state_recorded: float = 0.0
+    activations_measured: float = 0.0
+    peak_allocated: float = 0.0
+    peak_reserved: float = 0.0
+    alloc_retries: float = 0.0
+    ooms: float = 0.0
+
+    def vector(self) -> list[float]:
+        """Every number in declaration order (a :class:`DtypeBytes` as its :data:`DTYPE_SLOTS`)."""
+        out: list[float] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out += [getattr(value, s) for s in DTYPE_SLOTS] if isinstance(value, DtypeBytes) else [value]
+        return out
+
+    @classmethod
+    def from_vector(cls, values: list[float]) -> RankMemory:
+        """Inverse of :meth:`vector`."""
+        row, i = cls(), 0
+        for f in fields(row):
+            if isinstance(getattr(row, f.name), DtypeBytes):
+                setattr(row, f.name, DtypeBytes(*values[i : i + len(DTYPE_SLOTS)]))
+                i += len(DTYPE_SLOTS)
+            else:
+                setattr(row, f.name, values[i])
+                i += 1
+        return row
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the JSON report: categories as ``{"total": ..., "by_dtype": {...}}``, bytes throughout."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, DtypeBytes):
+                value = {"total": value.total, "by_dtype": value.nonzero()}
+            out[f.name] = value
+        return out
+
+
+def _put(out: dict[str, float], name: str, per_rank: list[float]) -> None:
+    """``{name}_mb``: the maximum over ranks; ``{name}_spread``: max / min, where ranks differ and none is 0."""
+    high, low = max(per_rank), min(per_rank)
+    out[f"{name}_mb"] = high / 1e6
+    if high != low and low > 0:
+        out[f"{name}_spread"] = high / low
+
+
+def memory_metrics(rows: list[RankMemory], cuda: bool) -> dict[str, float]:
+    """The logged metrics (without prefix) from every rank's row; categories not measured yet are left out."""
+    out: dict[str, float] = {}
+    if all(r.state_recorded for r in rows):
+        for name in ("params", "grads", "optimizer"):
+            _put(out, name, [getattr(r, name).total for r in rows])
+    if all(r.activations_measured for r in rows):
+        _put(out, "activations", [r.activations.total for r in rows])
+        _put(out, "param_casts", [r.param_casts for r in rows])
+    if cuda:
+        _put(out, "peak_allocated", [r.peak_allocated for r in rows])
+        _put(out, "peak_reserved", [r.peak_reserved for r in rows])
+        out["alloc_retries"] = max(r.alloc_retries for r in rows)
+        out["ooms"] = max(r.ooms for r in rows)
+    return out
+
+
+def lever_savings(rows: list[RankMemory]) -> dict[str, float]:
+    """What sharding and autocast saved per rank (the maximum over ranks), in MB, where one run tells.
+
+    Sharding: unsharded - local bytes of parameters, gradients and optimizer state. Autocast: a bf16/fp16 saved
+    activation would be twice as large in fp32, so it saved its own size (an estimate: in fp32 some of these would
+    be the same storage as a neighbouring op's); its parameter copies cost ``param_casts``.
+    """
+    out: dict[str, float] = {}
+    if all(r.state_recorded for r in rows):
+        for name in ("params", "grads", "optimizer"):
+            out[f"{name}_unsharded_mb"] = max(getattr(r, f"{name}_unsharded") for r in rows) / 1e6
+        saved = [
+            sum(getattr(r, f"{n}_unsharded") - getattr(r, n).total for n in ("params", "grads", "optimizer"))
+            for r in rows
+        ]
+        out["sharding_saved_mb"] = max(saved) / 1e6
+    if all(r.activations_measured for r in rows):
+        half = [sum(getattr(r.activations, s) for s in _HALF) for r in rows]
+        out["activations_fp32_equivalent_mb"] = max(r.activations.total + h for r, h in zip(rows, half)) / 1e6
+        out["autocast_saved_mb"] = max(half) / 1e6
+    return out

@@ -1,0 +1,80 @@
+"""The end-of-fit table of :class:`~lit_accel.meters.MemoryMeter`, rendered with ``rich``.
+
+Bytes by category (the largest rank's, with its dtype split and unsharded size), then what each lever (sharding,
+autocast) saved per rank where one run tells.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory
+from lit_accel.utilities._units import format_bytes, format_count
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["memory_table"]
+
+# (label, RankMemory field, its unsharded field or None, summary key) in display order.
+_CATEGORIES = (
+    ("parameters", "params", "params_unsharded", "params"),
+    ("gradients", "grads", "grads_unsharded", "grads"),
+    ("optimizer state", "optimizer", "optimizer_unsharded", "optimizer"),
+    ("activations (1 batch)", "activations", None, "activations"),
+    ("autocast weight copies", "param_casts", None, "param_casts"),
+    ("peak allocated (CUDA)", "peak_allocated", None, "peak_allocated"),
+    ("peak reserved (CUDA)", "peak_reserved", None, "peak_reserved"),
+)
+
+
+def _bytes_of(row: RankMemory, name: str) -> float:
+    value = getattr(row, name)
+    return value.total if isinstance(value, DtypeBytes) else value
+
+
+def _by_dtype(row: RankMemory, name: str) -> str:
+    value = getattr(row, name)
+    if not isinstance(value, DtypeBytes):
+        return ""
+    return ", ".join(f"{slot} {format_bytes(n)}" for slot, n in value.nonzero().items())
+
+
+def memory_table(rows: list[RankMemory], summary: dict[str, float], title: str) -> Table:
+    """Per category the largest rank's bytes, its dtype split, the unsharded size and the spread; then the levers."""
+    from rich.table import Table
+
+    table = Table(title=title, caption="activation checkpointing's saving needs two runs: benchmarks/memory.py")
+    for column in ("memory", "per rank (max)", "by dtype", "unsharded", "spread"):
+        table.add_column(column, justify="left" if column in ("memory", "by dtype") else "right")
+    for label, name, unsharded, key in _CATEGORIES:
+        if not summary.get(f"{key}_mb") and (name == "param_casts" or f"{key}_mb" not in summary):
+            continue  # not measured, or no autocast
+        largest = max(rows, key=lambda r: _bytes_of(r, name))
+        spread = summary.get(f"{key}_spread")
+        table.add_row(
+            label,
+            format_bytes(_bytes_of(largest, name)),
+            _by_dtype(largest, name),
+            format_bytes(getattr(largest, unsharded)) if unsharded else "",
+            f"{spread:.3f}" if spread is not None else "",
+        )
+    for label, key in (("allocator retries (CUDA)", "alloc_retries"), ("OOMs (CUDA)", "ooms")):
+        if key in summary:
+            table.add_row(label, format_count(summary[key]), "", "", "")
+    levers = _levers(summary)
+    if levers:
+        table.add_section()
+    for lever, saved in levers:
+        table.add_row(lever, saved, "", "", "")
+    return table
+
+
+def _levers(summary: dict[str, float]) -> list[tuple[str, str]]:
+    out = []
+    if summary.get("sharding_saved_mb"):
+        out.append(("saved by sharding (params, grads, state)", format_bytes(summary["sharding_saved_mb"] * 1e6)))
+    if summary.get("autocast_saved_mb"):
+        fp32 = format_bytes(summary["activations_fp32_equivalent_mb"] * 1e6)
+        out.append((f"saved by autocast (est.; fp32: {fp32})", format_bytes(summary["autocast_saved_mb"] * 1e6)))
+    return out

@@ -1,0 +1,203 @@
+"""``MemoryMeter``: where a training loop's memory goes on each rank, from tensor metadata, with no host sync.
+
+No Lightning here: any loop (raw PyTorch, Fabric, or the ``MemoryMonitor`` callback, a thin adapter over it) calls
+:meth:`MemoryMeter.record_state` at a logging step's optimizer step, wraps one forward in
+:meth:`MemoryMeter.activations`, and calls :meth:`MemoryMeter.compute` at logging steps, which gathers one small
+vector per rank in one ``all_gather``. Every figure is ``numel x element_size`` of tensors (local shards under FSDP2),
+plus the CUDA caching allocator's host-side counters: no device value is read. Keys and formulas: ``docs/monitors.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory, lever_savings, memory_metrics
+from lit_accel.meters._memory_probe import SavedTensorProbe, Sized, size_tensors, state_tensors
+from lit_accel.utilities._compat import all_gather_flat
+from lit_accel.utilities._validation import check_int
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+__all__ = ["MemoryMeter"]
+
+
+class MemoryMeter:
+    """Measure parameters, gradients, optimizer state, activations and the CUDA allocator's peaks, per rank.
+
+    Call :meth:`record_state` just before a logging step's optimizer step (gradients are complete, not yet zeroed;
+    once per optimizer), wrap the forward of a training micro-batch in :meth:`activations` (it measures the first
+    one that saves tensors, then does nothing), and call :meth:`compute` at logging steps on every rank (it
+    gathers). Values are the maximum over ranks, plus ``*_spread`` (max / min) where ranks differ.
+
+    Args:
+        device: the device the loop runs on (CUDA: the allocator's peaks and counters are read too).
+        world_size: ranks taking part (default: the process group's, 1 without one).
+
+    Raises:
+        TypeError, ValueError: a ``world_size`` that is not an int >= 1.
+
+    Example::
+
+        meter = MemoryMeter(device)
+        for step, (x, y) in enumerate(loader):
+            with meter.activations(model):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            if (step + 1) % 50 == 0:
+                meter.record_state(model, opt)
+            opt.step(); opt.zero_grad()
+            if (step + 1) % 50 == 0:
+                print(meter.compute(step))  # every rank calls compute(): it gathers
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, world_size: int | None = None) -> None:
+        check_int("MemoryMeter", "world_size", world_size, allow_none=True, example=8)
+        self.device = torch.device(device)
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.world_size = world_size
+        self.cuda = self.device.type == "cuda"
+        #: ``{"step": index, **metrics}`` of every :meth:`compute`.
+        self.history: list[dict[str, float]] = []
+        #: Every rank's numbers at the last :meth:`compute`.
+        self.rows: list[RankMemory] = []
+        self._params: Sized | None = None
+        self._per_optimizer: dict[int, tuple[Sized, Sized]] = {}
+        self._activations: tuple[DtypeBytes, float] | None = None
+        self._probe: SavedTensorProbe | None = None
+        self._cuda_at_start = (0.0, 0.0)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything measured (a new fit): state, activations, history; CUDA counters restart from now."""
+        self.history, self.rows = [], []
+        self._params, self._per_optimizer, self._activations = None, {}, None
+        if self._probe is not None and self._probe.active:
+            self._probe.stop()
+        self._probe = None
+        if self.cuda:
+            stats = torch.cuda.memory_stats(self.device)
+            self._cuda_at_start = (float(stats.get("num_alloc_retries", 0)), float(stats.get("num_ooms", 0)))
+
+    # ------------------------------------------------------------------ state (at logging steps)
+
+    def record_state(self, model: nn.Module | Iterable[Tensor], optimizer: Optimizer | None = None) -> None:
+        """Size the parameters of ``model`` and the gradients and state of ``optimizer`` (its parameters' grads).
+
+        A Python loop over the parameters: call it at logging steps only. With several optimizers, once for each.
+        """
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        self._params = size_tensors(params)
+        if optimizer is not None:
+            owned = [p for group in optimizer.param_groups for p in group["params"]]
+            grads = size_tensors(p.grad for p in owned if p.grad is not None)
+            state = size_tensors(t for s in optimizer.state.values() for t in state_tensors(s))
+            self._per_optimizer[id(optimizer)] = (grads, state)
+
+    @property
+    def state_recorded(self) -> bool:
+        """Whether :meth:`record_state` ran since the last :meth:`reset`."""
+        return self._params is not None
+
+    # ------------------------------------------------------------------ activations (once)
+
+    @property
+    def activations_measured(self) -> bool:
+        """Whether a forward's saved tensors were measured."""
+        return self._activations is not None
+
+    def start_activations(self, model: nn.Module | Iterable[Tensor]) -> bool:
+        """Start measuring the saved tensors of the forward that follows; ``False`` when measured already."""
+        if self._activations is not None or (self._probe is not None and self._probe.active):
+            return False
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        self._probe = SavedTensorProbe(params)
+        self._probe.start()
+        return True
+
+    def stop_activations(self) -> None:
+        """End the measurement (before the backward); a forward that saved nothing is not a measurement."""
+        if self._probe is None or not self._probe.active:
+            return
+        activations, casts = self._probe.stop()
+        self._probe = None
+        if activations.total + casts > 0:
+            self._activations = (activations, casts)
+
+    @contextmanager
+    def activations(self, model: nn.Module | Iterable[Tensor]) -> Iterator[None]:
+        """Measure the forward in the block, unless one was measured already (then it costs nothing)."""
+        started = self.start_activations(model)
+        try:
+            yield
+        finally:
+            if started:
+                self.stop_activations()
+
+    # ------------------------------------------------------------------ logging steps
+
+    def local_row(self) -> RankMemory:
+        """This rank's numbers now (no collective)."""
+        row = RankMemory()
+        if self._params is not None:
+            row.state_recorded = 1.0
+            row.params, row.params_unsharded = self._params.local, self._params.unsharded
+            grads, state = Sized(), Sized()
+            for g, s in self._per_optimizer.values():
+                grads += g
+                state += s
+            row.grads, row.grads_unsharded = grads.local, grads.unsharded
+            row.optimizer, row.optimizer_unsharded = state.local, state.unsharded
+        if self._activations is not None:
+            row.activations_measured = 1.0
+            row.activations, row.param_casts = self._activations
+        if self.cuda:  # the caching allocator's host-side statistics: no device sync
+            stats = torch.cuda.memory_stats(self.device)
+            row.peak_allocated = float(torch.cuda.max_memory_allocated(self.device))
+            row.peak_reserved = float(torch.cuda.max_memory_reserved(self.device))
+            row.alloc_retries = float(stats.get("num_alloc_retries", 0)) - self._cuda_at_start[0]
+            row.ooms = float(stats.get("num_ooms", 0)) - self._cuda_at_start[1]
+        return row
+
+    def compute(self, step: int | None = None) -> dict[str, float]:
+        """Every rank's numbers (one ``all_gather``) as metrics; every rank must call it.
+
+        Args:
+            step: the index recorded with the metrics in :attr:`history` (default: the number of calls so far).
+        """
+        self.rows = self._gather(self.local_row())
+        metrics = memory_metrics(self.rows, self.cuda)
+        self.history.append({"step": len(self.history) if step is None else step, **metrics})
+        return metrics
+
+    def _gather(self, row: RankMemory) -> list[RankMemory]:
+        values = row.vector()
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return [row]
+        device = self.device if self.cuda else torch.device("cpu")  # gloo gathers CPU tensors, NCCL CUDA ones
+        local = torch.tensor(values, dtype=torch.float64, device=device)
+        gathered = torch.empty(self.world_size * len(values), dtype=torch.float64, device=device)
+        all_gather_flat(gathered, local)
+        return [RankMemory.from_vector(r) for r in gathered.reshape(self.world_size, -1).cpu().tolist()]
+
+    def summary(self) -> dict[str, float]:
+        """The last :meth:`compute`'s metrics and what each lever saved (``lever_savings``); empty before."""
+        if not self.rows:
+            return {}
+        return {**memory_metrics(self.rows, self.cuda), **lever_savings(self.rows)}
+
+    def report(self) -> dict[str, Any]:
+        """The JSON report: configuration, the summary, every rank's bytes by dtype, and every logged value."""
+        return {
+            "config": {"device": str(self.device), "world_size": self.world_size},
+            "summary": self.summary(),
+            "per_rank": [{"rank": rank, **row.as_dict()} for rank, row in enumerate(self.rows)],
+            "history": self.history,
+        }

@@ -1,0 +1,394 @@
+"""FP8 training of ``nn.Linear`` layers through torchao, reversibly: the conversion behind ``"fp8-mixed"``.
+
+torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` for its ``Float8Linear``, which casts the input, the weight
+and the output gradient to float8 with dynamic scales and multiplies them in FP8 (or, emulated, in fp32 on the
+dequantized float8 values), keeping the fp32 parameters. This module adds what a Trainer integration needs around it:
+
+* which layers convert: plain ``nn.Linear`` whose in/out features are multiples of 16 (what the FP8 GEMMs accept),
+  minus a user filter checked against the model's module names; a report says why each other Linear was left out;
+* where FP8 matmuls run: tensor cores on CUDA GPUs of compute capability >= 8.9, emulation elsewhere (a pure function,
+  :func:`resolve_emulation`);
+* an exact revert to the original module objects, with unchanged ``state_dict`` keys and dtypes.
+
+Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes and measurements:
+``docs/precision.md`` (FP8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.nn.utils import parametrize
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+__all__ = ["MIN_FP8_CAPABILITY", "Float8Conversion", "Float8Report", "ModuleFilter", "resolve_emulation"]
+
+#: CUDA compute capability of the first GPUs with FP8 tensor cores (Ada, sm_89); Hopper and Blackwell are above it.
+MIN_FP8_CAPABILITY = (8, 9)
+#: ``(module, fqn) -> True`` to convert (torchao's ``module_filter_fn`` contract), or names/patterns to leave out.
+ModuleFilter = Callable[[nn.Module, str], bool] | Iterable[str]
+
+# Where a converted layer keeps the Linear it replaced. In ``__dict__`` directly: ``Module.__setattr__`` would register
+# it as a child, changing ``state_dict`` keys, ``parameters()`` and ``.to()``.
+_ORIGINAL = "_lit_accel_float8_original"
+# Hook dicts the converted layer shares with the original, so that hooks registered on the user's Linear keep firing
+# while it is converted (and hooks added meanwhile stay on it after revert). State-dict hooks are not shared.
+_SHARED_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
+_SHARED_HOOKS += ("_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+_MAX_LISTED = 4  # layers named in the one-line message; the report holds all of them
+
+
+def resolve_emulation(device_type: str, capability: tuple[int, int] | None, emulate: bool | None) -> bool:
+    """Whether the FP8 matmuls must be emulated: the decision, as a pure function of the device and the user's choice.
+
+    Args:
+        device_type: ``torch.device.type`` of the device the layers will run on (``"cuda"``, ``"cpu"``, ...).
+        capability: CUDA compute capability ``(major, minor)``, or None where there is none (ignored off CUDA).
+        emulate: None (automatic), True (always emulate), False (require FP8 tensor cores).
+
+    Returns:
+        True to emulate (FP8 casts and scales, matmuls in fp32 on the dequantized values), False for FP8 tensor cores.
+
+    Raises:
+        RuntimeError: a CUDA GPU below compute capability 8.9 without ``emulate=True``, or ``emulate=False`` on a
+            device other than CUDA.
+    """
+    if emulate:
+        return True
+    if device_type == "cuda":
+        if capability is not None and tuple(capability) >= MIN_FP8_CAPABILITY:
+            return False
+        found = "unknown" if capability is None else ".".join(map(str, capability))
+        raise RuntimeError(
+            f"Float8Conversion: the CUDA device has compute capability {found}, but FP8 matmuls need"
+            f" {'.'.join(map(str, MIN_FP8_CAPABILITY))} or newer (Ada, Hopper, Blackwell). Fix: train on this GPU"
+            " in 'bf16-mixed', or pass emulate=True to emulate FP8 numerics (slower than bf16)."
+        )
+    if emulate is False:
+        raise RuntimeError(
+            f"Float8Conversion(emulate=False): device type {device_type!r} has no FP8 matmul kernels. Fix: pass"
+            " emulate=None to emulate them there, or train on a CUDA GPU of compute capability 8.9 or newer."
+        )
+    return True
+
+
+@dataclass(frozen=True)
+class Float8Report:
+    """What :meth:`Float8Conversion.apply` did: the converted layers and why the other Linear layers were left out."""
+
+    #: Fully qualified names of the converted Linear layers (the first name of a layer registered under several).
+    converted: tuple[str, ...]
+    #: Linear layers left in high precision: name -> reason (e.g. ``"in_features=10 is not a multiple of 16"``).
+    skipped: Mapping[str, str]
+    #: True when the FP8 matmuls are emulated.
+    emulated: bool
+    #: The device type the decision was made for.
+    device_type: str
+
+    @property
+    def message(self) -> str:
+        """One line for the log: how many converted, which were left out and why."""
+        where = (
+            f"emulated on {self.device_type}: FP8 numerics, not FP8 speed"
+            if self.emulated
+            else f"FP8 tensor cores on {self.device_type}"
+        )
+        total = len(self.converted) + len(self.skipped)
+        text = f"FP8 (torchao, {where}): {len(self.converted)} of {total} Linear layers converted"
+        if self.skipped:
+            listed = [f"{name or '<root>'} ({why})" for name, why in list(self.skipped.items())[:_MAX_LISTED]]
+            more = len(self.skipped) - len(listed)
+            text += "; left in high precision: " + ", ".join(listed) + (f" and {more} more" if more else "")
+        return text + "."
+
+
+class Float8Conversion:
+    """Convert a model's ``nn.Linear`` layers to torchao's FP8 training layers, report which, and undo it exactly.
+
+    The converted layers share the original ``Parameter`` objects (fp32 master weights; gradients stay fp32), so the
+    ``state_dict`` keys and dtypes do not change and an optimizer built before :meth:`apply` steps the same tensors (not
+    with ``enable_fsdp_float8_all_gather``, which wraps the weights). Convert before DDP or ``fully_shard`` wrap the
+    model.
+
+    Args:
+        config: torchao's ``Float8LinearConfig`` (e.g. ``Float8LinearConfig.from_recipe_name("rowwise")``); None:
+            ``Float8LinearConfig()``, dynamic tensorwise scaling. Its ``emulate`` field is set from the decision below.
+        module_filter: which eligible layers convert. A callable ``(module, fqn) -> bool`` returns True to convert
+            (torchao's ``module_filter_fn``); an iterable of names leaves out every Linear whose fully qualified name,
+            or the name of a module containing it, matches one of them (fnmatch patterns: ``"head"``, ``"blocks.11"``,
+            ``"*.attn.qkv"``). A name matching no module raises in :meth:`apply`.
+        emulate: None (default) runs FP8 tensor cores on CUDA GPUs of compute capability >= 8.9, emulates on devices
+            without them (CPU) and refuses older GPUs; True always emulates; False requires FP8 tensor cores.
+
+    Raises:
+        ModuleNotFoundError: torchao is not installed.
+        TypeError: ``config``, ``module_filter`` or ``emulate`` has the wrong type.
+        ValueError: ``emulate=False`` with a ``config`` whose ``emulate`` is True.
+
+    Example::
+
+        conversion = Float8Conversion(module_filter=["head"])
+        model = conversion.apply(model, device=torch.device("cuda", 0))  # before DDP / fully_shard
+        print(conversion.report.message)
+        ...  # train under torch.autocast(dtype=torch.bfloat16)
+        model = conversion.revert(model)  # the original nn.Linear objects, with the trained weights
+    """
+
+    def __init__(
+        self,
+        config: Float8LinearConfig | None = None,
+        module_filter: ModuleFilter | None = None,
+        emulate: bool | None = None,
+    ) -> None:
+        try:
+            from torchao.float8 import Float8LinearConfig
+        except ModuleNotFoundError as err:
+            raise ModuleNotFoundError(
+                "Float8Conversion needs torchao, which is not installed. Fix: pip install 'torchao>=0.10'."
+            ) from err
+        if config is not None and not isinstance(config, Float8LinearConfig):
+            raise TypeError(
+                f"Float8Conversion(config={config!r}): expected a torchao.float8.Float8LinearConfig or None."
+                " Fix: pass e.g. config=Float8LinearConfig.from_recipe_name('rowwise')."
+            )
+        if isinstance(module_filter, str) or not (
+            module_filter is None or callable(module_filter) or isinstance(module_filter, Iterable)
+        ):
+            raise TypeError(
+                f"Float8Conversion(module_filter={module_filter!r}): expected a callable (module, fqn) -> bool or a"
+                " list of module names. Fix: pass e.g. module_filter=['head']."
+            )
+        if emulate is not None and not isinstance(emulate, bool):
+            raise TypeError(f"Float8Conversion(emulate={emulate!r}): expected None, True or False. Fix: pass None.")
+        self.config = config if config is not None else Float8LinearConfig()
+        if self.config.emulate and emulate is False:
+            raise ValueError(
+                "Float8Conversion(emulate=False): the config has emulate=True. Fix: pass emulate=None or a config"
+                " with emulate=False."
+            )
+        self.emulate = True if self.config.emulate else emulate
+        self.module_filter = module_filter
+        self._names = None if module_filter is None or callable(module_filter) else tuple(module_filter)
+        if self._names is not None and not all(isinstance(n, str) for n in self._names):
+            raise TypeError(
+                f"Float8Conversion(module_filter={module_filter!r}): every name must be a str. Fix: pass e.g."
+                " module_filter=['head']."
+            )
+        #: What the last :meth:`apply` did (None before).
+        self.report: Float8Report | None = None
+
+    def emulation_for(self, device: torch.device | str) -> bool:
+        """Whether :meth:`apply` would emulate on ``device`` (raises as :func:`resolve_emulation` does)."""
+        device = torch.device(device)
+        capability = None
+        if device.type == "cuda" and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability(device)
+        return resolve_emulation(device.type, capability, self.emulate)
+
+    def apply(self, model: nn.Module, device: torch.device | str) -> nn.Module:
+        """Convert the eligible Linear layers of ``model`` in place and log the report.
+
+        Args:
+            model: the unwrapped model (not yet in DDP, not sharded). A Linear root is replaced, not converted in place.
+            device: the device the model will train on (Lightning calls this before moving the model there).
+
+        Returns:
+            The converted model.
+
+        Raises:
+            ValueError: a ``module_filter`` name matches no module, or no Linear layer is eligible (the message says
+                why for each).
+            RuntimeError: the model is already wrapped or sharded, or the device cannot run FP8 (see
+                :func:`resolve_emulation`).
+        """
+        from torchao.float8 import convert_to_float8_training
+
+        _check_unwrapped(model)
+        emulated = self.emulation_for(device)
+        config = self.config if self.config.emulate == emulated else dataclasses.replace(self.config, emulate=emulated)
+        eligible, report = self._plan(model, emulated, torch.device(device).type)
+        if not eligible:
+            raise ValueError(f"Float8Conversion: {_nothing_to_convert(report)}")
+
+        memo: dict[int, nn.Module] = {}
+
+        def convert(module: nn.Module) -> nn.Module:
+            if id(module) in memo:  # a layer shared at several places stays shared
+                return memo[id(module)]
+            out = module
+            if id(module) in eligible:
+                out = convert_to_float8_training(module, config=config)  # a Linear root: returns the new layer
+                out.train(module.training)
+                for name in _SHARED_HOOKS:
+                    if isinstance(getattr(module, name, None), dict):
+                        setattr(out, name, getattr(module, name))
+                out._is_full_backward_hook = getattr(module, "_is_full_backward_hook", None)
+                if config.enable_fsdp_float8_all_gather:
+                    out.register_state_dict_post_hook(_plain_weight_in_state_dict)
+                out.__dict__[_ORIGINAL] = module
+            memo[id(module)] = out
+            for name, child in list(module._modules.items()):
+                out._modules[name] = None if child is None else convert(child)
+            return out
+
+        model = convert(model)
+        self.report = report
+        rank_zero_info(report.message)
+        return model
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        """Put back the Linear objects :meth:`apply` replaced, pointing at the current (trained) parameters.
+
+        The user's classes, attributes and hooks come back; other modules are untouched.
+
+        Args:
+            model: a model returned by :meth:`apply` (unwrapped from DDP first).
+
+        Returns:
+            The model with its original Linear layers.
+        """
+        memo: dict[int, nn.Module] = {}
+
+        def revert(module: nn.Module) -> nn.Module:
+            if id(module) in memo:
+                return memo[id(module)]
+            original = module.__dict__.get(_ORIGINAL)
+            out = module
+            if original is not None:
+                # The converted layer holds the current tensors (``.to()`` may have replaced them since apply).
+                for name, param in module._parameters.items():
+                    original._parameters[name] = _plain_parameter(param)
+                original.training = module.training
+                out = original
+            memo[id(module)] = out
+            for name, child in list(module._modules.items()):
+                out._modules[name] = None if child is None else revert(child)
+            return out
+
+        return revert(model)
+
+    def _plan(self, model: nn.Module, emulated: bool, device_type: str) -> tuple[set[int], Float8Report]:
+        from torchao.float8.float8_linear import Float8Linear
+
+        names_of: dict[int, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            names_of.setdefault(id(module), []).append(name)
+        linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        excluded = self._excluded_by_names(names_of, [name for name, _ in linears])
+        inside_mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
+        eligible: set[int] = set()
+        converted: list[str] = []
+        skipped: dict[str, str] = {}
+        for name, module in linears:
+            reason = _structural_reason(module, Float8Linear, id(module) in inside_mha)
+            if reason is None and (
+                id(module) in excluded or (callable(self.module_filter) and not self.module_filter(module, name))
+            ):
+                reason = "excluded by module_filter"
+            if reason is None:
+                eligible.add(id(module))
+                converted.append(name)
+            else:
+                skipped[name] = reason
+        return eligible, Float8Report(tuple(converted), skipped, emulated, device_type)
+
+    def _excluded_by_names(self, names_of: dict[int, list[str]], linear_names: list[str]) -> set[int]:
+        if self._names is None:
+            return set()
+        all_names = [name for names in names_of.values() for name in names]
+        for pattern in self._names:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in all_names):
+                close = difflib.get_close_matches(pattern, linear_names, n=3, cutoff=0.5) or linear_names[:3]
+                raise ValueError(
+                    f"Float8Conversion(module_filter={list(self._names)!r}): {pattern!r} matches no module of the"
+                    f" model (closest Linear layers: {close}; {len(linear_names)} in all). Fix: use names from"
+                    " model.named_modules(), or fnmatch patterns such as '*.head'."
+                )
+        excluded = set()
+        for key, names in names_of.items():
+            # A name is excluded with its own path or any enclosing module's ("blocks.1" excludes "blocks.1.fc").
+            prefixes = {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)}
+            if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes for pattern in self._names):
+                excluded.add(key)
+        return excluded
+
+
+def _structural_reason(module: nn.Linear, float8_cls: type, inside_mha: bool) -> str | None:
+    """Why ``module`` cannot run as a ``Float8Linear`` whatever the user asks, or None if it can."""
+    if isinstance(module, float8_cls):
+        return "already a Float8Linear"
+    if parametrize.is_parametrized(module):
+        return "parametrized (torch.nn.utils.parametrize)"
+    if type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__name__} overrides forward"
+    if next(iter(module.children()), None) is not None:
+        return "has child modules"
+    if inside_mha:
+        return "inside nn.MultiheadAttention, which does not call its forward"
+    bad = [
+        f"{k}={v}" for k, v in (("in_features", module.in_features), ("out_features", module.out_features)) if v % 16
+    ]
+    if bad:
+        return f"{' and '.join(bad)} {'is not a multiple' if len(bad) == 1 else 'are not multiples'} of 16"
+    return None
+
+
+def _nothing_to_convert(report: Float8Report) -> str:
+    if not report.skipped:
+        return "the model has no nn.Linear layer, so there is nothing to train in FP8. Fix: use 'bf16-mixed'."
+    reasons = "; ".join(f"{name or '<root>'}: {why}" for name, why in report.skipped.items())
+    return (
+        f"no Linear layer of the model can train in FP8 ({reasons}). Fix: use 'bf16-mixed' for this model, or make"
+        " the Linear dimensions multiples of 16 and loosen module_filter."
+    )
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    wrapped = [m for m in model.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
+    if not wrapped and dist.is_available():
+        from torch.distributed.tensor import DTensor
+
+        wrapped = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if wrapped:
+        raise RuntimeError(
+            "Float8Conversion.apply: the model is already wrapped in DistributedDataParallel or sharded (DTensor"
+            " parameters); the swapped layers would miss the wrapper's hooks. Fix: convert first, then wrap or shard."
+        )
+
+
+def _fsdp_float8_inner(tensor: Any) -> Any:
+    """The fp32 tensor inside torchao's FSDP float8 weight wrapper (``enable_fsdp_float8_all_gather``), else None.
+
+    ``WeightWithDynamicFloat8CastTensor`` keeps it in ``_tensor`` (torchao 0.18); the revert and state-dict tests fail
+    loudly if that changes.
+    """
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return tensor._tensor if isinstance(tensor, WeightWithDynamicFloat8CastTensor) else None
+
+
+def _plain_parameter(param: nn.Parameter | None) -> nn.Parameter | None:
+    inner = None if param is None else _fsdp_float8_inner(param)
+    if inner is None:
+        return param
+    # ``Float8Linear.from_float`` wrapped the original Parameter, which the optimizer updated in place through it.
+    return inner if isinstance(inner, nn.Parameter) else nn.Parameter(inner, requires_grad=param.requires_grad)
+
+
+def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, _: Any) -> None:
+    # Checkpoints hold plain tensors, so they load without torchao (outside FSDP; DTensors are left alone).
+    for key in (f"{prefix}weight", f"{prefix}bias"):
+        inner = _fsdp_float8_inner(state_dict.get(key))
+        if inner is not None:
+            state_dict[key] = inner.detach()

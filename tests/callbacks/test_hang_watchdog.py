@@ -1,0 +1,694 @@
+"""Issue #20, a stuck rank: HangWatchdog finds it, names it with its phase and stack, and ends the job in seconds.
+
+1. Real jobs: ``tests/scripts/hang_job.py`` started with ``python`` (Lightning's popen launcher with
+   ``strategy="ddp"`` starts the other ranks) and ``tests/scripts/hang_raw.py`` under torchrun. The default suite runs
+   a rank sleeping forever in ``training_step`` on 2 processes. The slow suite adds a blocked dataset and a skipped
+   collective on 2 and 4 processes, a deadlocked DataLoader worker, torchrun, and a 60-step run whose slow phases
+   must not alarm. The jobs of a group run concurrently to keep the wall time down.
+2. The Lightning-free core on real gloo groups (``run_distributed``) with ``on_hang="report"``, where the stall ends
+   after a while so the test can read every rank's verdict: stuck vs waiting, divergent, progress that must not alarm,
+   the file channel, world size 1.
+3. The Lightning adapter: a DDPStrategy that appends it inside ``setup()``, phases and allowances, two instances.
+4. The verdict rules and the stack inspection on their own, and argument errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from lit_accel.callbacks._hang_diagnosis import HangReport, RankState, diagnose, format_report, rank_ranges
+from lit_accel.callbacks._stack_inspection import inspect_thread
+from lit_accel.callbacks.hang_watchdog import HangWatchdog
+from lit_accel.callbacks.progress_watchdog import HANG_EXIT_CODE, ProgressWatchdog
+from tests.helpers import find_free_port, run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "scripts" / "hang_job.py"
+TIMEOUT = 3.0  # HangWatchdog(timeout=) in the jobs
+DETECT_S = TIMEOUT + 10.0  # the issue's bound from the hang to the end of the job
+JOB_LIMIT_S = 300.0  # all jobs of a batch, imports included, on 2 busy cores; gloo's own timeout is 30 minutes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Real jobs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Job(NamedTuple):
+    returncode: int
+    output: str
+    detect_s: float  # from the hanging rank's marker to the job's exit
+    leftover: list[int]  # processes of the job's session still running after it exited
+
+
+def _running_in_session(sid: int) -> list[int]:
+    """PIDs of session ``sid`` that are not zombies (Linux /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _command(name: str, mode: str, devices: int, rank: int, tmp: Path) -> list[str]:
+    args = ["--rank", str(rank), "--step", "3", "--timeout", str(TIMEOUT)]
+    if mode == "raw":  # a raw PyTorch loop under torchrun
+        launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--master-port"]
+        return [
+            sys.executable,
+            *launcher,
+            str(find_free_port()),
+            str(REPO / "tests" / "scripts" / "hang_raw.py"),
+            *args,
+        ]
+    return [sys.executable, str(SCRIPT), "--mode", mode, "--devices", str(devices), *args, "--root", str(tmp / name)]
+
+
+class _Launch:
+    """Jobs started at once, each in its own session, output to a file (no pipe to fill); a thread per job records
+    the moment it exits, so that tests running meanwhile do not delay the measurement."""
+
+    def __init__(self, specs: dict[str, tuple[str, int, int]], tmp: Path) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+        for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+            env.pop(name, None)  # let Lightning's launcher pick a free port
+        self.tmp, self.procs, self.ended, self.waiters = tmp, {}, {}, []
+        for name, (mode, devices, rank) in specs.items():
+            with open(tmp / f"{name}.log", "w") as log:
+                cmd = _command(name, mode, devices, rank, tmp)
+                self.procs[name] = subprocess.Popen(
+                    cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            waiter = threading.Thread(target=self._wait, args=(name,), daemon=True)
+            waiter.start()
+            self.waiters.append(waiter)
+
+    def _wait(self, name: str) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.procs[name].wait(timeout=JOB_LIMIT_S)
+            self.ended[name] = time.time()
+
+    def results(self) -> dict[str, _Job]:
+        for waiter in self.waiters:
+            waiter.join()
+        jobs = {}
+        for name, proc in self.procs.items():
+            if name not in self.ended:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            output = (self.tmp / f"{name}.log").read_text()
+            assert name in self.ended, f"job {name} did not end within {JOB_LIMIT_S:.0f} s:\n{output[-6000:]}"
+            leftover = _running_in_session(proc.pid)
+            for _ in range(30):  # a rank killed a moment ago may still be exiting
+                if not leftover:
+                    break
+                time.sleep(0.1)
+                leftover = _running_in_session(proc.pid)
+            if leftover:
+                os.killpg(proc.pid, signal.SIGKILL)
+            marker = re.search(r"HANG_STARTS_AT (\d+\.\d+)", output)
+            detect = self.ended[name] - float(marker.group(1)) if marker else float("inf")
+            jobs[name] = _Job(proc.returncode, output, detect, leftover)
+        return jobs
+
+
+# The default suite launches one job (~20 s on 2 cores, mostly importing Lightning twice); the others are @slow.
+_JOBS = {"sleep-2": ("sleep", 2, 1)}
+_SLOW_JOBS = {
+    "divergent-2": ("divergent", 2, 1),
+    "raw-2": ("raw", 2, 1),
+    "dataloader-2": ("dataloader", 2, 1),
+    "sleep-4": ("sleep", 4, 2),
+    "dataloader-4": ("dataloader", 4, 3),
+    "divergent-4": ("divergent", 4, 1),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> _Launch | None:
+    """Start the default jobs with this module's first test: they import Lightning while the tests below, which
+    mostly wait out short timeouts, run. The job tests come last in the file."""
+    if not any("jobs" in item.fixturenames for item in request.session.items):
+        return None
+    return _Launch(_JOBS, tmp_path_factory.mktemp("hang_jobs"))
+
+
+@pytest.fixture(scope="module")
+def jobs(_launched: _Launch) -> dict[str, _Job]:
+    return _launched.results()
+
+
+@pytest.fixture(scope="module")
+def slow_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Job]:
+    return _Launch(_SLOW_JOBS, tmp_path_factory.mktemp("hang_slow_jobs")).results()
+
+
+def _check_ended_in_time(job: _Job) -> None:
+    assert job.returncode == HANG_EXIT_CODE, job.output[-6000:]
+    assert job.detect_s < DETECT_S, job.output[-6000:]
+    assert not job.leftover, job.output[-6000:]
+
+
+def _check_names_stuck_rank_phase_and_stack(output: str, devices: int, stuck: int, phase: str, frame: str) -> None:
+    for rank in range(devices):  # every rank reports who is stuck and where
+        assert f"[rank {rank}] HangWatchdog: rank {stuck} is stuck in phase '{phase}' (step 3)" in output, output
+    # The stuck rank's main-thread stack reached rank 0 through the store, down to the blocking call ...
+    stack = re.search(rf"\[rank 0\] Main-thread stack of rank {stuck} .*?\n((?:\[rank 0\]   File .*\n)+)", output)
+    assert stack, output[-6000:]
+    assert re.search(rf'hang_job.py", line \d+, in .*{frame}\n.*hang_job.py", line \d+, in _block_forever', stack[1])
+    # ... and the stuck rank dumped all of its threads to its own stderr (faulthandler's format).
+    dump = output.split(f"[rank {stuck}] HangWatchdog: all threads of this rank", 1)
+    assert len(dump) == 2 and re.search(r'hang_job.py", line \d+ in _block_forever', dump[1]), output[-6000:]
+    assert "What to look at:" in output
+
+
+def _check_divergent(output: str, devices: int) -> None:
+    head = re.search(r"\[rank 0\] HangWatchdog: the ranks diverged: (.*)", output)
+    assert head, output[-6000:]
+    # rank 0 waits in the metric sync the other rank skipped; rank 1 already waits in the next step's collective
+    assert "phase 'validation' (step 4) (waiting in torch.distributed.all_reduce" in head[1]
+    assert "on_validation_epoch_end" in head[1]
+    assert "phase 'data' (step 4) (waiting in torch.distributed.broadcast" in head[1]
+    for rank in range(devices):
+        assert f"[rank {rank}] HangWatchdog: the ranks diverged" in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name, (mode, _, _) in _SLOW_JOBS.items() if mode != "raw"])
+def test_more_jobs_end_in_time_and_name_the_culprit(slow_jobs, name):
+    """The divergent jobs: a rank that skips one all_reduce the others make is reported as divergent, naming both
+    phases. The others: a rank blocked in training_step or in its dataset, on 2 and 4 processes."""
+    mode, devices, rank = _SLOW_JOBS[name]
+    job = slow_jobs[name]
+    _check_ended_in_time(job)
+    if mode == "divergent":
+        _check_divergent(job.output, devices)
+        if devices > 2:  # 3 ranks agree, one does not: it is named (with 2 ranks there is no majority)
+            assert f"rank {rank} took a different path" in job.output
+    else:
+        phase, frame = ("forward", "training_step") if mode == "sleep" else ("data", "__getitem__")
+        _check_names_stuck_rank_phase_and_stack(job.output, devices, rank, phase, frame)
+
+
+@pytest.mark.slow
+def test_slow_first_step_validation_checkpoint_and_rank_do_not_raise_an_alarm(tmp_path):
+    """60 steps under a 5 s timeout with an 8 s first step, a 20 s validation, three 10 s checkpoint saves, and a rank
+    0.3 s slower than the other at every step: none of it is a hang."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env.pop("MASTER_PORT", None)
+    cmd = [sys.executable, str(SCRIPT), "--mode", "slow_ok", "--timeout", "5", "--max-steps", "60"]
+    done = subprocess.run(
+        [*cmd, "--root", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert "HangWatchdog:" not in output
+    assert "rank 0 finished 60 steps" in output and "rank 1 finished 60 steps" in output
+    assert len(list(tmp_path.rglob("*.ckpt"))) == 3  # steps 20, 40, 60: the slow saves happened
+
+
+@pytest.mark.slow
+def test_a_deadlocked_dataloader_worker_is_found_and_its_stack_dumped(tmp_path):
+    job = _Launch({"worker-2": ("worker", 2, 1)}, tmp_path).results()["worker-2"]
+    assert job.returncode == HANG_EXIT_CODE and job.detect_s < DETECT_S and not job.leftover, job.output[-6000:]
+    assert "rank 1 is stuck in phase 'data' (step 3)" in job.output
+    assert "torch.utils.data.dataloader" in job.output  # the main process waits for its worker
+    worker = job.output.split("[rank 1] HangWatchdog: stacks of child process", 1)
+    assert len(worker) == 2 and re.search(r"line \d+ in _block_forever\n.*line \d+ in __getitem__", worker[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. The core on real gloo groups. on_hang="report": the stall ends after a while, so every rank returns its verdict.
+# ---------------------------------------------------------------------------------------------------------------
+
+CORE_TIMEOUT, CORE_INTERVAL = 1.0, 0.2
+
+
+def _wait_for_report(watchdog: ProgressWatchdog, limit_s: float) -> None:
+    """The rank's "stuck" code: sleep until the watchdog has a verdict (or ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while watchdog.report is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _summary(report: HangReport | None) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    return {"verdict": report.verdict, "culprits": report.culprits, "states": {s.rank: s for s in report.states}}
+
+
+def _stuck_in_user_code(rank: int, world_size: int) -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    watchdog = ProgressWatchdog(CORE_TIMEOUT, interval=CORE_INTERVAL, on_hang="report")
+    watchdog.start()
+    for step in range(3):
+        watchdog.enter("forward", step)
+        if rank == 1 and step == 1:
+            _wait_for_report(watchdog, 15.0)  # "stuck" until the ranks have a verdict, then carry on
+        watchdog.enter("backward", step)
+        dist.all_reduce(torch.ones(2))
+    watchdog.stop()
+    return _summary(watchdog.report)
+
+
+def test_core_blames_the_rank_in_user_code_not_the_one_waiting_in_the_collective():
+    for result in run_distributed(_stuck_in_user_code, 2, timeout=60):
+        assert result["verdict"] == "stuck" and result["culprits"] == (1,)
+        stuck, waiting = result["states"][1], result["states"][0]
+        assert (stuck.kind, stuck.phase, stuck.step) == ("running", "forward", 1)
+        assert CORE_TIMEOUT < stuck.stall_s < CORE_TIMEOUT + 4 * CORE_INTERVAL + 2.0  # found a few ticks late
+        assert "in _wait_for_report" in stuck.call and "_wait_for_report" in stuck.stack
+        assert (waiting.kind, waiting.phase, waiting.call) == ("collective", "backward", "torch.distributed.all_reduce")
+        assert waiting.site.endswith("in _stuck_in_user_code") and waiting.stack is None  # stacks: culprits only
+
+
+def _divergent_groups(rank: int, world_size: int) -> dict[str, Any] | None:
+    """Each rank waits in a collective of a different group: a deadlock. Once the verdict is in, a helper thread
+    enters the collective the peer waits in, which releases both."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    watchdog = ProgressWatchdog(CORE_TIMEOUT, interval=CORE_INTERVAL, on_hang="report")
+    watchdog.start()
+
+    def release_peer() -> None:
+        _wait_for_report(watchdog, 15.0)
+        dist.all_reduce(torch.ones(1), group=groups[1 - rank])
+
+    helper = threading.Thread(target=release_peer)
+    helper.start()
+    watchdog.enter("metrics" if rank == 0 else "forward", 5)
+    dist.all_reduce(torch.ones(1), group=groups[rank])
+    helper.join()
+    watchdog.stop()
+    return _summary(watchdog.report)
+
+
+def test_core_reports_ranks_waiting_in_different_collectives_as_divergent():
+    for result in run_distributed(_divergent_groups, 2, timeout=60):
+        assert result["verdict"] == "divergent" and result["culprits"] == ()  # one rank each side: no majority
+        first, second = result["states"][0], result["states"][1]
+        assert (first.kind, first.phase, second.kind, second.phase) == (
+            "collective",
+            "metrics",
+            "collective",
+            "forward",
+        )
+        assert first.call == second.call == "torch.distributed.all_reduce"
+
+
+def _waiting_for_a_progressing_rank(rank: int, world_size: int) -> dict[str, Any] | None:
+    """Rank 1 validates for 2 s in 0.4 s batches (allowance 10 s) while rank 0 waits in a collective of a phase with
+    a 1 s allowance: rank 0 is past its allowance, but the rank it waits for progresses. Not a hang; nor is rank 0
+    running on in that phase afterwards, nor rank 1 finishing while rank 0 is still on its way out."""
+    import torch.distributed as dist
+
+    watchdog = ProgressWatchdog(CORE_TIMEOUT, interval=CORE_INTERVAL, on_hang="report")
+    watchdog.start()
+    if rank == 1:
+        for batch in range(5):
+            watchdog.enter("validation", batch, allowance=10.0)
+            time.sleep(0.4)
+    watchdog.enter("forward", 0)
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.4)  # rank 0 runs on in the same phase: its stall counts from the end of the wait, not from 2 s ago
+    watchdog.stop()
+    return _summary(watchdog.report)
+
+
+def test_core_sees_no_hang_while_the_awaited_rank_progresses():
+    assert run_distributed(_waiting_for_a_progressing_rank, 2, timeout=60) == [None, None]
+
+
+def _file_channel(rank: int, world_size: int, directory: str) -> dict[str, Any] | None:
+    watchdog = ProgressWatchdog(CORE_TIMEOUT, interval=CORE_INTERVAL, on_hang="report", directory=directory)
+    watchdog.start()  # no process group: states go through files
+    deadline = time.monotonic() + 15.0
+    step = 0
+    while watchdog.report is None and time.monotonic() < deadline:
+        if rank == 0 or step < 3:  # rank 1 stops progressing after 3 steps
+            step += 1
+            watchdog.enter("forward", step)
+        time.sleep(0.1)
+    watchdog.stop()
+    return _summary(watchdog.report)
+
+
+def test_file_channel_without_a_process_group(tmp_path):
+    results = run_distributed(_file_channel, 2, str(tmp_path), init_process_group=False, timeout=60)
+    for result in results:
+        assert result["verdict"] == "stuck" and result["culprits"] == (1,)
+        assert result["states"][1].step == 3 and result["states"][1].phase == "forward"
+
+
+def test_world_size_one_still_reports_its_own_stall(capfd):
+    watchdog = ProgressWatchdog(1.0, interval=0.2, on_hang="report")
+    watchdog.start()
+    try:
+        watchdog.enter("data", 7)
+        _wait_for_report(watchdog, 10.0)
+    finally:
+        watchdog.stop()
+    assert watchdog.report is not None and watchdog.report.verdict == "stuck" and watchdog.report.culprits == (0,)
+    err = capfd.readouterr().err
+    assert "[rank 0] HangWatchdog: rank 0 is stuck in phase 'data' (step 7)" in err
+    assert "the other ranks wait" not in err and "HangWatchdog: all threads of this rank" in err
+
+
+@pytest.mark.slow
+def test_raw_pytorch_loop_under_torchrun_ends_every_rank_with_the_hang_exit_code(slow_jobs):
+    """No Lightning, an external launcher (torchrun's agent hosts the store and stops the job when a rank fails)."""
+    job = slow_jobs["raw-2"]
+    assert job.returncode != 0 and job.detect_s < DETECT_S and not job.leftover, job.output[-6000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] HangWatchdog: rank 1 is stuck in phase 'forward' (step 3)" in job.output
+    assert len(re.findall(rf"exitcode +: {HANG_EXIT_CODE} \(pid", job.output)) == 2, job.output[
+        -6000:
+    ]  # torchrun's table
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. The Lightning adapter
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _lightning_stuck_dataloader(rank: int, world_size: int) -> dict[str, Any]:
+    """A DDPStrategy that appends a HangWatchdog inside setup() (as AccelDDP will); rank 1's dataset blocks at the
+    first item of step 2 until the watchdog has a verdict."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, Dataset
+
+    class AppendingDDP(DDPStrategy):
+        def setup(self, trainer: pl.Trainer) -> None:
+            if not any(isinstance(cb, HangWatchdog) for cb in trainer.callbacks):
+                trainer.callbacks.append(HangWatchdog(1.5, interval=CORE_INTERVAL, on_hang="report"))
+            super().setup(trainer)
+
+    class Blocking(Dataset):
+        calls = 0
+
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            Blocking.calls += 1
+            if rank == 1 and Blocking.calls == 2 * 4 + 1:
+                watchdog = next(cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog)).watchdog
+                _wait_for_report(watchdog, 15.0)
+            return torch.full((8,), float(index))
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=AppendingDDP(),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Model(), DataLoader(Blocking(), batch_size=4))
+    watchdog = next(cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog))
+    return {**_summary(watchdog.report), "running_after_fit": watchdog.watchdog.running, "steps": trainer.global_step}
+
+
+def test_lightning_watchdog_appended_by_a_ddp_strategy_in_setup_finds_a_stuck_dataloader():
+    for result in run_distributed(_lightning_stuck_dataloader, 2, init_process_group=False, timeout=90):
+        assert result["verdict"] == "stuck" and result["culprits"] == (1,)
+        stuck, waiting = result["states"][1], result["states"][0]
+        assert (stuck.phase, stuck.step, stuck.kind) == ("data", 2, "running")
+        assert "__getitem__" in stuck.stack and "_wait_for_report" in stuck.stack
+        assert waiting.kind in ("collective", "backward") and waiting.step == 2
+        assert result["steps"] == 4 and not result["running_after_fit"]  # the fit finished; the thread stopped
+
+
+class _Recorder:
+    """A callback after HangWatchdog that records what it set in each hook: (hook, phase, step, allowance)."""
+
+    def __new__(cls, watchdog: HangWatchdog) -> Any:
+        import lightning.pytorch as pl
+
+        def record(name: str) -> Any:
+            def hook(self: Any, trainer: Any, *args: Any) -> None:
+                p = watchdog.watchdog.progress
+                self.seen.append((name, p.phase, p.step, p.allowance_s, watchdog.watchdog.running))
+
+            return hook
+
+        hooks = [
+            "on_sanity_check_start",
+            "on_train_batch_start",
+            "on_before_backward",
+            "on_after_backward",
+            "on_train_batch_end",
+            "on_validation_batch_start",
+            "on_validation_end",
+            "on_save_checkpoint",
+        ]
+        recorder_cls = type("Recorder", (pl.Callback,), {h: record(h) for h in hooks})
+        recorder = recorder_cls()
+        recorder.seen = []
+        return recorder
+
+
+def _tiny_fit(callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> Any:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.helpers import BNModel
+
+    data = TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    trainer.fit(BNModel(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    return trainer
+
+
+def test_lightning_hooks_map_to_phases_with_their_allowances(tmp_path):
+    watchdog = HangWatchdog(7.0, first_step_timeout=70.0, validation_timeout=700.0, checkpoint_timeout=7000.0)
+    recorder = _Recorder(watchdog)
+    _tiny_fit(
+        [watchdog, recorder], tmp_path, max_steps=3, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=2
+    )
+    seen = [(hook, phase, step, allowance) for hook, phase, step, allowance, running in recorder.seen if running]
+    assert len(seen) == len(recorder.seen)  # watched throughout the fit
+    assert seen[:2] == [
+        ("on_sanity_check_start", "sanity_check", 0, 700.0),
+        ("on_validation_batch_start", "sanity_check", 0, 700.0),
+    ]
+    first_step = [
+        ("on_train_batch_start", "forward", 0, 70.0),
+        ("on_before_backward", "backward", 0, 70.0),
+        ("on_after_backward", "optimizer_step", 0, 70.0),
+        ("on_train_batch_end", "data", 1, 7.0),
+    ]
+    assert seen[3:7] == first_step
+    assert ("on_train_batch_start", "forward", 1, 7.0) in seen  # later steps: the training timeout
+    assert ("on_validation_batch_start", "validation", 2, 700.0) in seen
+    assert ("on_save_checkpoint", "checkpoint", 2, 7000.0) in seen or (
+        "on_save_checkpoint",
+        "checkpoint",
+        3,
+        7000.0,
+    ) in seen
+    assert not watchdog.watchdog.running and watchdog.report is None
+
+
+def test_slow_first_step_validation_and_checkpoint_within_their_allowances_raise_no_alarm(tmp_path):
+    import lightning.pytorch as pl
+
+    slept: list[str] = []
+
+    class Slow(pl.Callback):  # each slower than the training timeout, within its own allowance
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 0:
+                slept.append("first step")
+                time.sleep(1.0)
+
+        def on_validation_batch_start(self, *args: Any) -> None:
+            slept.append("validation")
+            time.sleep(1.0)
+
+        def on_save_checkpoint(self, *args: Any) -> None:
+            slept.append("checkpoint")
+            time.sleep(1.0)
+
+    watchdog = HangWatchdog(0.6, 4.0, 4.0, 4.0, interval=0.15, on_hang="report")
+    _tiny_fit(
+        [watchdog, Slow()], tmp_path, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=2
+    )
+    assert watchdog.report is None
+    assert {"first step", "validation", "checkpoint"} <= set(slept), slept  # each slow phase happened
+
+
+def test_a_second_watchdog_in_the_same_trainer_stays_passive(tmp_path):
+    first, second = HangWatchdog(60.0), HangWatchdog(30.0)
+    with pytest.warns(UserWarning, match=r"HangWatchdog\(timeout=30\) stays passive.*Fix: pass a single"):
+        _tiny_fit([first, second], tmp_path, max_steps=2, limit_val_batches=0, enable_checkpointing=False)
+    assert first.watchdog.progress.changes > 0 and second.watchdog.progress.changes == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. The verdict rules, stack inspection, arguments
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _state(rank: int, kind: str = "running", stall: float = 0.0, allowance: float = 5.0, **kw: Any) -> RankState:
+    fields = {"seq": 10, "phase": "forward", "step": 3, "call": None, "site": None, **kw}
+    return RankState(rank, 100 + rank, "h", since_wall=0.0, kind=kind, stall_s=stall, allowance_s=allowance, **fields)
+
+
+def _verdict(states: list[RankState], silent: tuple[int, ...] = (), world_size: int | None = None) -> Any:
+    report = diagnose({s.rank: s for s in states}, world_size or len(states), silent)
+    return None if report is None else (report.verdict, report.culprits)
+
+
+def test_rules_blame_the_overdue_running_rank_furthest_behind_first():
+    states = [_state(0, "collective", 9), _state(1, "running", 9, seq=8), _state(2, "running", 6, seq=9)]
+    assert _verdict(states) == ("stuck", (1,))  # rank 2 is stalled too, but further ahead: it waits for rank 1
+    states = [_state(0, "collective", 9), _state(1, "running", 9, seq=8), _state(2, "running", 6, seq=8)]
+    assert _verdict(states) == ("stuck", (1, 2))
+    assert _verdict([_state(0, "backward", 9), _state(1, "running", 6)]) == ("stuck", (1,))
+
+
+def test_rules_do_not_alarm_while_the_awaited_rank_is_within_its_allowance():
+    assert _verdict([_state(0, "collective", 60), _state(1, "running", 30, allowance=600)]) is None
+    assert _verdict([_state(0, "collective", 60), _state(1, "debugger", 60)]) is None  # someone sits in pdb
+
+
+def test_rules_for_ranks_that_all_wait():
+    same = {"call": "torch.distributed.all_reduce", "site": "a.py:1 in f"}
+    # the same collective everywhere: the longest allowance applies (a long gather while checkpointing)
+    waiting = [_state(0, "collective", 20, 5, **same), _state(1, "collective", 20, 600, phase="checkpoint", **same)]
+    assert _verdict(waiting) == ("divergent", ())  # ... but the phases differ, so they cannot meet: the shortest
+    same_phase = [_state(0, "collective", 20, 600, **same), _state(1, "collective", 20, 600, **same)]
+    assert _verdict(same_phase) is None
+    assert _verdict([_state(r, "collective", 700, 600, **same) for r in range(2)]) == ("waiting", ())
+    # three ranks agree, one waits elsewhere: it is the one that diverged
+    other = {"call": "torch.distributed.broadcast", "site": "b.py:2 in g"}
+    four = [_state(r, "collective", 9, **same) for r in (0, 2, 3)] + [_state(1, "collective", 9, **other)]
+    assert _verdict(four) == ("divergent", (1,))
+    # one finished (its watchdog stopped) while the other waits
+    assert _verdict([_state(0, "collective", 9, **same), _state(1, status="stopped")]) == ("divergent", ())
+    # one rank just changed (it finished, or entered the collective): not yet a divergence
+    assert diagnose({0: _state(0, "collective", 9, **same), 1: _state(1, status="stopped")}, 2, quiet_s=0.2) is None
+    # a rank that stopped publishing, or never did
+    assert _verdict([_state(0, "collective", 9, **same), _state(1, "running", 1)], silent=(1,)) == ("silent", (1,))
+    assert _verdict([_state(0, "collective", 9, **same)], world_size=2) == ("silent", (1,))
+
+
+def test_report_text_names_ranks_phases_and_the_fix():
+    states = {
+        0: _state(0, "collective", 4.2, 3, call="torch.distributed.all_reduce", site="job.py:9 in step"),
+        1: _state(1, "running", 4.5, 3, call="job.py:5 in load", user="job.py:5 in load", stack="  File x"),
+    }
+    text = format_report(diagnose(states, 2), HANG_EXIT_CODE)
+    assert text.startswith("HangWatchdog: rank 1 is stuck in phase 'forward' (step 3): no progress for 4.5 s")
+    assert "running its own code at job.py:5 in load" in text
+    assert "rank 0: phase 'forward' (step 3) for 4.2 s: waiting in torch.distributed.all_reduce" in text
+    assert (
+        "Main-thread stack of rank 1" in text and "What to look at:" in text and f"exit code {HANG_EXIT_CODE}" in text
+    )
+    assert rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+def _parked(event: threading.Event) -> None:
+    event.wait()
+
+
+def test_stack_inspection_of_a_blocked_and_a_traced_thread():
+    event = threading.Event()
+    plain = threading.Thread(target=_parked, args=(event,))
+
+    def traced() -> None:
+        sys.settrace(lambda *a: None)  # what a debugger does: every new frame gets a local tracer (f_trace)
+        sys.settrace(lambda frame, evt, arg: lambda *b: None)
+        _parked(event)
+
+    debugged = threading.Thread(target=traced)
+    plain.start()
+    debugged.start()
+    time.sleep(0.2)
+    try:
+        location, frame = inspect_thread(plain.ident)
+        assert location.kind == "running" and location.site.endswith("in _parked") and frame is not None
+        assert location.user == location.site  # this test file is "your code"
+        assert inspect_thread(debugged.ident)[0].kind == "debugger"
+    finally:
+        event.set()
+        plain.join()
+        debugged.join()
+    assert inspect_thread(plain.ident)[0].kind == "gone"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"timeout": 0}, ValueError, r"HangWatchdog\(timeout=0\): expected a finite number > 0\. Fix: pass"),
+        ({"timeout": float("nan")}, ValueError, r"timeout=nan"),
+        ({"timeout": "30"}, TypeError, r"timeout='30'"),
+        ({"first_step_timeout": -1}, ValueError, r"first_step_timeout=-1\): expected a finite number > 0"),
+        ({"validation_timeout": 10}, ValueError, r"validation_timeout=10\): must be at least timeout=30.*Fix"),
+        ({"interval": 30}, ValueError, r"interval=30\): must be below timeout=30.*Fix: pass interval=1"),
+        ({"on_hang": "kill"}, ValueError, r"on_hang='kill'\): expected one of 'exit', 'report'\. Fix"),
+        ({"directory": 3}, TypeError, r"directory=3\): expected a path or None\. Fix"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        HangWatchdog(**kwargs)
+
+
+def test_core_start_without_a_channel_for_several_ranks_says_what_to_do():
+    with pytest.raises(RuntimeError, match=r"world_size=2 without a torch.distributed process group.*Fix"):
+        ProgressWatchdog(5.0).start(rank=0, world_size=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The default job (started by ``_launched`` with this module's first test), checked last
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_job_ends_non_zero_within_seconds_of_the_timeout_and_leaves_nothing_running(jobs):
+    _check_ended_in_time(jobs["sleep-2"])
+
+
+def test_every_rank_names_the_stuck_rank_its_phase_and_its_stack(jobs):
+    _check_names_stuck_rank_phase_and_stack(jobs["sleep-2"].output, 2, 1, "forward", "training_step")

@@ -1,0 +1,146 @@
+"""A CPU job (Lightning's popen launcher, ``strategy="ddp"``) in which one rank hangs on purpose; run by
+tests/callbacks/test_hang_watchdog.py.
+
+Usage::
+
+    python tests/scripts/hang_job.py --mode sleep --devices 2 --rank 1 --step 3 --timeout 3
+    python tests/scripts/hang_job.py --mode dataloader --devices 4 --rank 2 --step 3 --timeout 3
+    python tests/scripts/hang_job.py --mode worker --devices 2 --rank 1 --step 3 --timeout 3
+    python tests/scripts/hang_job.py --mode divergent --devices 2 --rank 1 --step 3 --timeout 3
+    python tests/scripts/hang_job.py --mode slow_ok --devices 2 --timeout 5 --max-steps 60
+
+``sleep``: the rank blocks forever in ``training_step``. ``dataloader``/``worker``: its dataset blocks forever when
+fetching the batch of that step (in the main process / in a DataLoader worker). ``divergent``: after validating at
+that step, every other rank makes an ``all_reduce`` in ``on_validation_epoch_end``, the rank skips it and enters the
+next training step's collectives. In these modes ``HangWatchdog`` must end the job within seconds of the timeout.
+``slow_ok`` runs a slow first step, a slow rank, a 20 s validation and slow checkpoint saves, none of which may
+trigger it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lit_accel.callbacks.hang_watchdog import HangWatchdog
+
+# Printed by the hanging rank just before it blocks, with the wall-clock time, so the test can time the detection.
+HANG_MARKER = "HANG_STARTS_AT"
+BATCH = 4
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _block_forever(what: str) -> None:
+    print(f"{HANG_MARKER} {time.time():.3f} rank {_rank()} {what}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
+class _Data(Dataset):
+    """Random rows; on the hanging rank, the first item of batch ``hang_step`` never comes back."""
+
+    def __init__(self, hang_rank: int | None, hang_step: int) -> None:
+        self.hang_rank, self.hang_at = hang_rank, hang_step * BATCH
+        self.calls = 0
+        self.data = torch.randn(4096, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.calls == self.hang_at and _rank() == self.hang_rank:
+            _block_forever("in Dataset.__getitem__")
+        self.calls += 1
+        return self.data[index]
+
+
+class _Model(pl.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        args, rank = self.args, self.global_rank
+        if args.mode == "sleep" and rank == args.rank and self.global_step == args.step:
+            _block_forever("in training_step")
+        if args.mode == "slow_ok":
+            if self.global_step == 0:
+                time.sleep(args.timeout + 3)  # a first step slower than the timeout: compilation, FLOP counting
+            elif rank == 1:
+                time.sleep(0.3)  # a slow but progressing rank: the others wait for it every step
+        return self.net(batch).pow(2).mean()
+
+    def on_validation_epoch_end(self) -> None:
+        args = self.args
+        if args.mode == "divergent":
+            if self.global_rank == args.rank:
+                print(f"{HANG_MARKER} {time.time():.3f} rank {args.rank} skips the all_reduce", file=sys.stderr)
+            else:
+                dist.all_reduce(torch.ones(1))  # the metric sync that rank ``args.rank`` skips
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.args.mode == "slow_ok":  # 2 batches: 20 s on rank 0, 2 s on the others, which then wait for it
+            time.sleep(10.0 if self.global_rank == 0 else 1.0)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.args.mode == "slow_ok" and self.global_rank == 0:
+            time.sleep(2 * self.args.timeout)  # a slow filesystem; the other ranks wait in the save barrier
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("sleep", "dataloader", "worker", "divergent", "slow_ok"), required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=1, help="the rank that hangs")
+    parser.add_argument("--step", type=int, default=3, help="the optimizer step at which it hangs")
+    parser.add_argument("--timeout", type=float, default=3.0, help="HangWatchdog(timeout=)")
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--root", default=None, help="Trainer(default_root_dir=): where checkpoints go")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    hang_rank = args.rank if args.mode in ("dataloader", "worker") else None
+    loader = DataLoader(_Data(hang_rank, args.step), batch_size=BATCH, num_workers=int(args.mode == "worker"))
+    slow_ok = args.mode == "slow_ok"
+    callbacks: list[pl.Callback] = [HangWatchdog(timeout=args.timeout, interval=0.5)]
+    if slow_ok:
+        callbacks.append(ModelCheckpoint(every_n_train_steps=20, save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp",
+        callbacks=callbacks,
+        max_steps=args.max_steps,
+        val_check_interval=30 if slow_ok else args.step + 1,  # divergent: validate after step ``--step``
+        limit_val_batches={"slow_ok": 2, "divergent": 1}.get(args.mode, 0),
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=slow_ok,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.root,
+    )
+    val = DataLoader(_Data(None, 0), batch_size=BATCH)
+    trainer.fit(_Model(args), loader, val)
+    print(f"rank {trainer.global_rank} finished {trainer.global_step} steps", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
