@@ -96,10 +96,21 @@ def test_accumulation_tiny_counts_one_all_reduce_round_per_optimizer_step(tmp_pa
 @pytest.mark.slow
 def test_overhead_tiny_reports_the_overhead_ratio(tmp_path):
     result, _ = _run("overhead.py", tmp_path, "--tiny")
-    assert set(result["arms"]) == {"raw", "lightning", "lit_accel"}
+    assert set(result["arms"]) == {"raw", "lightning", "lit_accel", "full_stack", "accel_fsdp", "model_parallel"}
     assert result["overhead_ratio"] == result["ratios"]["lit_accel/lightning"]["median_step"]["median"] > 0
     assert result["overhead_ratio_cpu_time"] == result["ratios"]["lit_accel/lightning"]["cpu"]["median"] > 0
-    assert isinstance(result["target_met"], bool)
+    assert result["full_stack_ratio"] == result["ratios"]["full_stack/lightning"]["median_step"]["median"] > 0
+    assert result["ratios"]["accel_fsdp/model_parallel"]["median_step"]["median"] > 0
+    assert isinstance(result["target_met"], bool) and isinstance(result["full_stack_target_met"], bool)
+
+
+@pytest.mark.slow
+def test_compile_tiny_reports_compiled_over_eager(tmp_path):
+    result, _ = _run("compile.py", tmp_path, "--tiny")
+    assert set(result["arms"]) == {"lit_accel", "lit_accel_compiled"}
+    assert result["compiled_over_eager"] == result["ratios"]["lit_accel_compiled/lit_accel"]["median_step"]["median"]
+    assert result["compiled_over_eager"] > 0
+    assert "compiled / eager median step" in (tmp_path / "compile.md").read_text()
 
 
 @pytest.mark.slow
