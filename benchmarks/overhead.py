@@ -46,6 +46,7 @@ Run (from the repository root)::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
@@ -94,6 +95,12 @@ def _optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
+def _autocast(precision: str) -> Any:
+    if precision == "32-true":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+
+
 def run_raw(args: Any, loader: DataLoader) -> tuple[list[float], list[float]]:
     """The raw PyTorch DDP loop; returns the step-start stamps (wall clock, process CPU time)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -107,7 +114,7 @@ def run_raw(args: Any, loader: DataLoader) -> tuple[list[float], list[float]]:
         stamps.append(time.perf_counter())
         cpu.append(time.process_time())
         # cache_enabled=False as in Lightning's MixedPrecision and AccelPrecision: the same casts in every arm.
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with _autocast(args.precision):
             loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -153,7 +160,9 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
     clock = StepClock()
     callbacks: list[Callback] = [clock]
     module = _common.classifier(build_net(args.model), lambda params: _optimizer(params, args.lr))
-    plugins: list[Any] = [AccelPrecision("bf16-mixed")]
+    bf16 = args.precision == "bf16-mixed"
+    lightning_plugins: list[Any] = [MixedPrecision("bf16-mixed", device="cpu")] if bf16 else []
+    plugins: list[Any] = [AccelPrecision(args.precision)]
     if arm in ("lit_accel", "lit_accel_compiled", "full_stack"):
         strategy: Any = AccelDDP(compile=arm == "lit_accel_compiled")
         callbacks += [LossScaleMonitor(), EfficiencyMonitor(print_summary=False)]
@@ -163,11 +172,12 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
         strategy = AccelFSDP()
     elif arm == "model_parallel":
         strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
-        module.configure_model = lambda: shard_like_accel_fsdp(module, torch.bfloat16)  # type: ignore[method-assign]
-        plugins = [MixedPrecision("bf16-mixed", device="cpu")]
+        dtype = torch.bfloat16 if bf16 else None
+        module.configure_model = lambda: shard_like_accel_fsdp(module, dtype)  # type: ignore[method-assign]
+        plugins = lightning_plugins
     else:
         strategy = DDPStrategy(gradient_as_bucket_view=True) if arm == "lightning" else DDPStrategy()
-        plugins = [MixedPrecision("bf16-mixed", device="cpu")]
+        plugins = lightning_plugins
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -215,6 +225,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
     p.add_argument("--world-size", type=_common.positive_int, default=2, help="processes")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument(
+        "--precision",
+        choices=("bf16-mixed", "32-true"),
+        default="bf16-mixed",
+        help="every arm's precision (32-true on a CPU without AVX-512 BF16, where bf16 is emulated)",
+    )
     p.add_argument("--tiny", action="store_true", help="smoke-test sizes: tiny model, 3 steps, 2 repetitions")
     args = p.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -277,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "world_size": args.world_size,
             "backend": "gloo",
             "threads_per_process": 1,
-            "precision": "bf16-mixed (torch.autocast cpu bfloat16, cache_enabled=False)",
+            "precision": args.precision
+            + (" (torch.autocast cpu bfloat16, cache_enabled=False)" if args.precision == "bf16-mixed" else ""),
             "optimizer": f"AdamW(lr={args.lr}), foreach",
             "ddp": "gradient_as_bucket_view=True, bucket_cap_mb=25 (lightning_defaults: False)",
             "timed_steps_per_rep": args.steps,
