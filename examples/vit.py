@@ -86,6 +86,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import lit_accel
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
+from lit_accel.utilities._units import format_flops_per_second  # the monitors' own unit choice
 
 # A ViT small enough for 8x8 digits on a CPU: timm's ViT-Tiny at width 96, depth 4, 3 heads (~0.45 M parameters), with
 # 4x4 patches on the 16x16 upsampled digits, i.e. one token per 2x2 block of original pixels (16 tokens + class token).
@@ -657,17 +658,12 @@ def collect_results(
     }
 
 
-def flops_per_second(tflops: float | None) -> str:
-    """A CPU run reads "21.4 GFLOP/s", not "0.02 TFLOP/s"."""
-    if tflops is None:
-        return "n/a"
-    unit, scale = next((u, x) for u, x in (("TFLOP/s", 1.0), ("GFLOP/s", 1e-3), ("MFLOP/s", 0.0)) if tflops >= x)
-    return f"{tflops / (scale or 1e-6):,.3g} {unit}"
-
-
 def print_table(results: dict[str, Any]) -> None:
     def fmt(value: Any, spec: str, unit: str = "", unknown: str = "n/a") -> str:
         return unknown if value is None else format(value, spec) + unit
+
+    def fmt_flops(tflops: float | None) -> str:  # "13.1 GFLOP/s" on a CPU, not "0.01 TFLOP/s"
+        return "n/a" if tflops is None else format_flops_per_second(tflops * 1e12)
 
     table = Table(title="ViT case study: results", show_header=True)
     table.add_column("metric")
@@ -685,7 +681,7 @@ def print_table(results: dict[str, Any]) -> None:
         ("samples/s (all devices)", fmt(results["samples_per_sec"], ",.1f")),
         ("optimizer step time", fmt(results["step_time_ms"], ",.1f", " ms")),
         ("data wait (share of step)", fmt(results["data_wait_frac"], ".1%")),
-        ("FLOP/s per device", flops_per_second(results["tflops_per_device"])),
+        ("FLOP/s per device", fmt_flops(results["tflops_per_device"])),
         ("MFU", fmt(results["mfu"], ".1%", unknown="n/a (unknown peak)")),
         ("gradient comm in flight (share of step)", fmt(results["comm_time_frac"], ".1%")),
         ("gradient comm exposed (share of step)", fmt(results["comm_exposed_frac"], ".1%")),
