@@ -373,7 +373,22 @@ def _footprint(ctx: dict[str, Any], spec: dict[str, Any]) -> dict[str, float]:
 
 
 def check_micro_batch_auto(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
-    from lit_accel import AccelDDP, AccelPrecision
+    from lit_accel import AccelDDP, AccelFSDP
+
+    rows, data = [], {}
+    # "auto" needs forwards free of other collectives: no SyncBN, and for DDP no buffer broadcast
+    for name, make in (
+        ("AccelDDP", lambda n: AccelDDP(global_batch_size=n, micro_batch_size="auto", sync_batchnorm=False,
+                                        broadcast_buffers=False)),
+        ("AccelFSDP", lambda n: AccelFSDP(global_batch_size=n, micro_batch_size="auto", sync_batchnorm=False)),
+    ):  # fmt: skip
+        row, data[name] = _micro_batch_auto(ctx, name, make)
+        rows.append(row)
+    return rows, data
+
+
+def _micro_batch_auto(ctx: dict[str, Any], name: str, make: Any) -> tuple[Row, dict[str, Any]]:
+    from lit_accel import AccelPrecision
 
     spec = {**vit_spec(ctx), "batch": ctx["batch"] if ctx["dry_run"] else 256}
     loaded, device, data = spec["batch"], ctx["device"], {}
@@ -383,15 +398,14 @@ def check_micro_batch_auto(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, An
         target = loaded // 4
         # Step 0 holds weights and DDP's gradient buckets (8 bytes/parameter), later steps AdamW's moments too (16).
         # The cap sits midway between `target` after step 0 and twice `target` at step 0, so the full batch and half
-        # of it fail in their forward and `target` keeps fitting once the optimizer state exists.
+        # of it fail in their forward and `target` keeps fitting once the optimizer state exists. (FSDP on one GPU
+        # holds about as much: fp32 parameters and gradients, a bf16 gathered copy.)
         need_target = 16 * f["params"] + f["per_forward"] + target * f["per_sample"]
         need_double = 8 * f["params"] + f["per_forward"] + 2 * target * f["per_sample"]
         budget = (need_target + need_double) / 2
         data.update(footprint=f, target=target, need_target_mb=need_target / 1e6, need_double_mb=need_double / 1e6)
     batch = vit_batch(spec, loaded, device)
-    strategy = AccelDDP(
-        global_batch_size=loaded, micro_batch_size="auto", sync_batchnorm=False, broadcast_buffers=False
-    )  # "auto" needs forwards free of collectives: no SyncBN, no buffer broadcast
+    strategy = make(loaded)
     module = classifier(build_vit(spec), spec["lr"])
     trainer = _trainer(ctx, strategy=strategy, plugins=[AccelPrecision("bf16-mixed")], max_steps=4)
     try:
@@ -413,10 +427,10 @@ def check_micro_batch_auto(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, An
     if ctx["cuda"]:
         ok = bool(changes) and micro is not None and micro < loaded and finite
         detail += f"; cap {fraction:.3f} of the device's memory, restored to 1.0"
-        row = _row("micro_batch_size='auto' under a memory cap", "PASS" if ok else "FAIL", detail)
+        row = _row(f"{name}(micro_batch_size='auto') under a memory cap", "PASS" if ok else "FAIL", detail)
     else:
-        row = _row("micro_batch_size='auto' (no cap on CPU)", "INFO", detail + "; no change expected")
-    return [row], {**data, "loaded": loaded, "micro_batch_size": micro, "changes": changes, "fraction": fraction}
+        row = _row(f"{name}(micro_batch_size='auto') (no cap on CPU)", "INFO", detail + "; no change expected")
+    return row, {**data, "loaded": loaded, "micro_batch_size": micro, "changes": changes, "fraction": fraction}
 
 
 CHECKS = {

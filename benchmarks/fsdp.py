@@ -2,12 +2,15 @@
 
 CPU processes joined by gloo (``_common.launch``) train the CIFAR-sized ViT of ``overhead.py`` (timm
 ``vit_tiny_patch16_224`` at 32x32 px, patch 4, width 192, depth 6, 2.7 M parameters, 16 images per process, AdamW,
-fp32) in interleaved repetitions of three arms:
+fp32) in interleaved repetitions of four arms:
 
 * ``accel_fsdp``: ``Trainer(strategy=AccelFSDP())``, which shards each ViT ``Block`` and the root itself;
 * ``model_parallel``: Lightning's ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` with a
   ``configure_model`` that applies ``fully_shard`` the same way (the user code that strategy requires);
-* ``accel_ddp``: ``Trainer(strategy=AccelDDP())``, for the memory and time of not sharding.
+* ``accel_ddp``: ``Trainer(strategy=AccelDDP())``, for the memory and time of not sharding;
+* ``accel_fsdp_auto``: ``AccelFSDP(global_batch_size=B x N, micro_batch_size="auto")`` where everything fits, so the
+  same single micro-batch per step: the cost of keeping collectives in step (the ledger's bookkeeping per collective,
+  one agreement all-reduce per step).
 
 A step is the period between two ``on_train_batch_start`` stamps on the slowest rank; per repetition the median over
 ``--steps`` steps after ``--warmup`` is kept, and the ratios are paired per repetition (see ``_common.py``). Memory is
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 from overhead import build_net, make_loader, shard_like_accel_fsdp
 
-ARMS = ("accel_fsdp", "model_parallel", "accel_ddp")
+ARMS = ("accel_fsdp", "model_parallel", "accel_ddp", "accel_fsdp_auto")
 TARGET = 1.05  # issue #15: AccelFSDP step time <= 1.05 x ModelParallelStrategy's
 
 
@@ -75,6 +78,8 @@ def run_arm(arm: str, args: Any, loader: Any, world_size: int) -> tuple[list[flo
         strategy: Any = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
 
         module.configure_model = lambda: shard_like_accel_fsdp(module, None)  # type: ignore[method-assign]
+    elif arm == "accel_fsdp_auto":
+        strategy = AccelFSDP(global_batch_size=args.batch * world_size, micro_batch_size="auto")
     else:
         strategy = AccelFSDP() if arm == "accel_fsdp" else AccelDDP()
     probe = Probe()
@@ -136,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "accel_fsdp/accel_ddp": _common.summarize(
                 _common.paired_ratios(steps["accel_fsdp"], steps["accel_ddp"]), 4
             ),
+            "accel_fsdp_auto/accel_fsdp": _common.summarize(
+                _common.paired_ratios(steps["accel_fsdp_auto"], steps["accel_fsdp"]), 4
+            ),
             "target_met": ratio["median"] <= TARGET,
         }
         r = results[str(world_size)]
@@ -143,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append([world_size, arm, f"{r['median_step_ms'][arm]['median']:.1f}",
                          f"{r['per_rank_state_mb'][arm]:.2f}"])  # fmt: skip
         rows.append([world_size, "accel_fsdp / model_parallel", f"{ratio['median']:.4f}", ""])
+        auto = r["accel_fsdp_auto/accel_fsdp"]["median"]
+        rows.append([world_size, "accel_fsdp_auto / accel_fsdp", f"{auto:.4f}", ""])
     result = {
         "benchmark": "fsdp",
         "command": _common.command_line("fsdp.py", argv),

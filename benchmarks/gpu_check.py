@@ -50,8 +50,9 @@ compiled or not) is one fit, run once and shared by the checks that compare agai
    activations plus autocast's saved weight copies (``activations_mb + param_casts_mb``) are within 25% of the
    growth of ``torch.cuda.memory_allocated()`` from the first batch's start to its ``on_before_backward``, and
    ``peak_allocated_mb`` is reported.
-9. **micro_batch_size="auto" finds a size that fits.** ``AccelDDP(global_batch_size=256, micro_batch_size="auto")``
-   with loaded batches of 256 under ``torch.cuda.set_per_process_memory_fraction``, set from a measured per-sample
+9. **micro_batch_size="auto" finds a size that fits.** ``AccelDDP(global_batch_size=256, micro_batch_size="auto")``,
+   then the same with ``AccelFSDP`` (its collectives kept in step through the failure by the ledger), with loaded
+   batches of 256 under ``torch.cuda.set_per_process_memory_fraction``, set from a measured per-sample
    footprint so that 256 and 128 run out of memory and 64 fits: a change is recorded, the run finishes with a smaller
    micro-batch, and the fraction is restored to 1.0.
 

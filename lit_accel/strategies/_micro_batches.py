@@ -5,11 +5,16 @@ training: a loaded batch of ``n`` samples runs as chunks of ``size`` along dim 0
 the ``n`` samples, gradients kept local on every chunk but the last (whose backward Lightning runs, synchronised).
 
 ``"auto"`` starts with the whole loaded batch and halves on an out-of-memory error (CUDA ``OutOfMemoryError``, the CPU
-allocator's failure). While a size is unproven (the first step, and the step after each change) every chunk's
-backward stays local, the ranks agree on the outcome with one all-reduce, and only then are the gradients averaged
-(one explicit all-reduce): no rank is ever left waiting in a collective. Once proven, the last chunk's backward
-reduces as usual, after one agree all-reduce that follows its forward. An attempt that failed anywhere is discarded
-on every rank (gradients dropped) and redone with half the size: no sample is lost or counted twice.
+allocator's failure). An attempt that failed anywhere is discarded on every rank (gradients dropped) and redone with
+half the size: no sample is lost or counted twice, and no rank is ever left waiting in a collective:
+
+- AccelDDP (no collective in forward): while a size is unproven (the first step, and the step after each change)
+  every chunk's backward stays local, the ranks agree on the outcome with one all-reduce, and only then are the
+  gradients averaged (one explicit all-reduce). Once proven, the last chunk's backward reduces as usual, after one
+  agree all-reduce that follows its forward.
+- AccelFSDP (all-gathers in forward, reduce-scatters in backward): the attempt runs every backward itself, the last
+  chunk's reduce-scattering, and its collectives are kept in step by a ``CollectiveLedger``
+  (``strategies/_fsdp_recovery.py``); the ranks agree after the backward.
 """
 
 from __future__ import annotations
@@ -26,7 +31,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["MicroBatchChange", "MicroBatching", "all_reduce_mean_", "is_out_of_memory", "split_batch"]
+__all__ = [
+    "MicroBatchChange",
+    "MicroBatching",
+    "PeerOutOfMemory",
+    "all_reduce_mean_",
+    "any_rank",
+    "is_out_of_memory",
+    "split_batch",
+]
 
 _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: one flat copy of at most this much at a time
 
@@ -37,6 +50,18 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+class PeerOutOfMemory(RuntimeError):
+    """Another rank ran out of memory in this attempt (raised on the others at the same collective)."""
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank: one 1-element all-reduce and one host read."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def batch_length(batch: Any) -> int:
@@ -99,7 +124,7 @@ class MicroBatching:
         self._held: list[tuple[Tensor, Tensor]] = []
 
     def run(self, strategy: Any, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
-        """``strategy.training_step`` for one loaded batch: every chunk's forward and backward but the last backward."""
+        """``strategy.training_step`` for one loaded batch: every forward and backward but AccelDDP's last backward."""
         n = batch_length(batch)
         if self.size is None:
             self.size = n  # "auto" starts with the whole loaded batch
@@ -108,23 +133,40 @@ class MicroBatching:
         # backward starts from none and their gradients are held over that zero_grad (``restore_gradients``); the
         # earlier ones go back for Lightning to zero or keep, as it would without micro-batches.
         earlier = _take_gradients(strategy.model)
+        ledger = strategy._collective_ledger() if self.auto else None
         while True:
             size = min(self.size, n)
             bounds = [(i, min(i + size, n)) for i in range(0, n, size)]
             proven = self._proven
+            lightning_last = proven and ledger is None  # else every backward runs here
+            if ledger is not None:
+                ledger.begin(len(bounds), strategy.root_device)
+            failure = None  # "own" (this rank ran out of memory) or "peer" (another did; FSDP's guarded attempts)
             try:
-                output = self._attempt(strategy, step, batch, bounds, n, accumulation, proven, args, kwargs)
-                failed = False
+                output = self._attempt(strategy, step, batch, bounds, n, accumulation, lightning_last, args, kwargs)
             except Exception as err:
-                if not (self.auto and is_out_of_memory(err)):
+                failure = "peer" if isinstance(err, PeerOutOfMemory) else "own" if is_out_of_memory(err) else None
+                if not self.auto or failure is None:
+                    if ledger is not None:
+                        ledger.finish(succeeded=False)
                     _put_gradients(earlier)
                     raise
-                output, failed = None, True
-            if self.auto and self._anyone(failed, strategy.root_device):
-                self._shrink(strategy)
-                continue
-            if not proven:
-                strategy._average_gradients()  # the backward of every chunk stayed local
+                output = None
+            if self.auto:
+                if ledger is not None and failure is not None:
+                    gc.collect()  # the failed attempt's activations, held by the exception's frames until now
+                    ledger.reset()
+                    if failure == "own":
+                        ledger.complete_for_peers()
+                failed = failure == "peer" or any_rank(failure is not None, strategy.root_device)
+                if ledger is not None:
+                    ledger.finish(succeeded=not failed)
+                if failed:
+                    self._shrink(strategy)
+                    continue
+            if not lightning_last and self.auto:
+                if ledger is None:
+                    strategy._average_gradients()  # the backward of every chunk stayed local
                 self._proven = True
                 output = _replace_loss(output, _loss_of(output).detach().requires_grad_())  # Lightning's: no-op
             elif self.auto:
@@ -140,13 +182,13 @@ class MicroBatching:
 
     def _attempt(
         self, strategy: Any, step: Callable[..., Any], batch: Any, bounds: list, n: int, accumulation: int,
-        proven: bool, args: tuple, kwargs: dict,
+        lightning_last: bool, args: tuple, kwargs: dict,
     ) -> Any:  # fmt: skip
         last = len(bounds) - 1
         total = None
         for i, (start, stop) in enumerate(bounds):
             weight = (stop - start) / n
-            if i == last and proven:  # Lightning runs this chunk's backward, synchronised
+            if i == last and lightning_last:  # Lightning runs this chunk's backward, synchronised
                 if self.auto:  # a forward free of collectives, so a failure is agreed on first (prepared in run)
                     with strategy.block_backward_sync():
                         output = step(split_batch(batch, start, stop), *args, **kwargs)
@@ -155,7 +197,10 @@ class MicroBatching:
                 loss = _loss_of(output)
                 # the gradient of the last chunk's share; the value (for logging) of the whole loaded batch
                 return _replace_loss(output, loss * weight if total is None else loss * weight + total)
-            with strategy.block_backward_sync():
+            # AccelFSDP's "auto": the last chunk reduce-scatters here, even inside Lightning's accumulation window, so
+            # that a failed attempt leaves no partial gradient inside FSDP (earlier loaded batches' are sharded).
+            reduces = i == last and strategy._collective_ledger() is not None
+            with strategy._reduce_in_attempt() if reduces else strategy.block_backward_sync():
                 output = step(split_batch(batch, start, stop), *args, **kwargs)
                 loss = _loss_of(output)
                 # Lightning divides the loss it backpropagates by the accumulation: these chunks get the same.
@@ -164,13 +209,6 @@ class MicroBatching:
             if i < last:
                 del output, loss
         return _replace_loss(output, total)
-
-    def _anyone(self, failed: bool, device: torch.device) -> bool:
-        """Whether any rank failed this attempt: one tiny all-reduce and one host read (``"auto"`` only)."""
-        flag = torch.tensor([1.0 if failed else 0.0], device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _shrink(self, strategy: Any) -> None:
         strategy._discard_gradients()

@@ -18,6 +18,7 @@ from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies._backend import backend_for_device, check_backend_spec
 from lit_accel.strategies._fsdp_comm import FSDPCommStats, install_counting_comms
+from lit_accel.strategies._fsdp_recovery import CollectiveLedger
 from lit_accel.strategies.parts import AccelParts
 from lit_accel.utilities import _compat
 from lit_accel.utilities._validation import check_bool, check_choice
@@ -141,12 +142,6 @@ class AccelFSDP(AccelParts, _RootCalls):
             )
         if kwargs:
             raise TypeError(f"{name} got unknown argument(s) {sorted(kwargs)}. Fix: see AccelFSDP's arguments.")
-        if micro_batch_size == "auto":
-            raise ValueError(
-                f"{name}(micro_batch_size='auto') cannot recover from out-of-memory: FSDP all-gathers parameters in"
-                " every forward, where a rank out of memory would leave its peers waiting. Fix: pass an int"
-                " micro_batch_size (batches are then split to it), or use AccelDDP."
-            )
         check_backend_spec(name, process_group_backend)
         check_choice(name, "start_method", start_method, ("popen", "spawn", "fork", "forkserver"), "'popen'")
         check_choice(name, "state_dict_type", state_dict_type, ("full", "sharded"), "'full'")
@@ -173,7 +168,9 @@ class AccelFSDP(AccelParts, _RootCalls):
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
         self._comm_stats = FSDPCommStats()
+        self._ledger = CollectiveLedger(name) if micro_batch_size == "auto" else None
         self._sync_blocked = False
+        self._reduced_in_attempt = False
         self._fsdp_roots: list[Any] = []  # the outermost FSDP modules, whose gradient sync accumulation switches off
         #: The modules ``fully_shard`` was applied to by this strategy (empty when ``configure_model`` sharded).
         self.sharded_modules: list[torch.nn.Module] = []
@@ -228,8 +225,10 @@ class AccelFSDP(AccelParts, _RootCalls):
         self.model_to_device()
         if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
             self._shard(self.model)
-        install_counting_comms(self.model, self._comm_stats)
+        install_counting_comms(self.model, self._comm_stats, self._ledger)
         self._fsdp_roots = self._top_fsdp_modules()
+        if self._ledger is not None:
+            self._ledger.roots = self._fsdp_roots
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
@@ -266,6 +265,9 @@ class AccelFSDP(AccelParts, _RootCalls):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches accumulate unsharded gradients locally: no reduce-scatter."""
+        if self._sync_blocked:  # nested (a micro-batch inside Lightning's window): the outer one restores
+            yield
+            return
         modules = self._fsdp_roots
         for module in modules:
             module.set_requires_gradient_sync(False)
@@ -276,6 +278,40 @@ class AccelFSDP(AccelParts, _RootCalls):
             self._sync_blocked = False
             for module in modules:
                 module.set_requires_gradient_sync(True)
+
+    @contextmanager
+    def _reduce_in_attempt(self) -> Generator[None, None, None]:
+        blocked, self._reduced_in_attempt = self._sync_blocked, False
+        if blocked:  # inside Lightning's accumulation window: this one backward reduce-scatters all the same
+            for module in self._fsdp_roots:
+                module.set_requires_gradient_sync(True)
+            self._sync_blocked = False
+        try:
+            yield
+        finally:
+            if blocked:
+                for module in self._fsdp_roots:
+                    module.set_requires_gradient_sync(False)
+                self._sync_blocked = True
+        self._reduced_in_attempt = True  # Lightning's backward of the detached loss follows
+
+    @override
+    def _collective_ledger(self) -> CollectiveLedger | None:
+        return self._ledger
+
+    @override
+    def _check_micro_batching(self, auto: bool) -> None:
+        name = type(self).__name__
+        if auto and self._syncs_batchnorm():  # its all-reduce in every forward is not an FSDP collective
+            raise ValueError(
+                f"{name}(micro_batch_size='auto') cannot recover from out-of-memory here: SyncBatchNorm makes a"
+                " collective in every forward. Fix: pass an int micro_batch_size, or sync_batchnorm=False."
+            )
+        if auto and not _compat.fsdp_can_reset_iteration():
+            raise ValueError(
+                f"{name}(micro_batch_size='auto') needs FSDPModule.reset_iter_state, which torch {torch.__version__}"
+                " lacks. Fix: a newer torch, or an int micro_batch_size."
+            )
 
     def _top_fsdp_modules(self) -> list[Any]:
         from torch.distributed.fsdp import FSDPModule
@@ -292,7 +328,8 @@ class AccelFSDP(AccelParts, _RootCalls):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        if not self._sync_blocked:
+        reduced_in_attempt, self._reduced_in_attempt = self._reduced_in_attempt, False
+        if not self._sync_blocked and not reduced_in_attempt:  # (that backward was counted; this one reduces nothing)
             self._comm_stats.rounds += 1  # this backward reduce-scattered every group
 
     @override

@@ -11,6 +11,7 @@ the strategy; ``docs/extending.md`` shows a new strategy built this way.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.trainer.states import TrainerFn
@@ -18,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lit_accel.callbacks.hang_watchdog import HangWatchdog
-from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, count_batchnorm_layers
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
 from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
 from lit_accel.strategies._global_batch import GlobalBatch
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
     from torch.optim import Optimizer
+
+    from lit_accel.strategies._fsdp_recovery import CollectiveLedger
 
 __all__ = ["AccelParts"]
 
@@ -120,9 +123,22 @@ class AccelParts:
     def _check_micro_batching(self, auto: bool) -> None:
         """Refuse what the strategy cannot split batches with (AccelDDP: auto with collectives in forward)."""
 
+    def _syncs_batchnorm(self) -> bool:
+        """Whether the model's forward all-reduces BatchNorm statistics (a collective ``"auto"`` cannot recover in)."""
+        module = self.lightning_module
+        return self._layer_sync is not None and module is not None and count_batchnorm_layers(module) > 0
+
     def _average_gradients(self) -> None:
         """Average the gradients over ranks now (after micro-batches whose backward all stayed local)."""
         raise NotImplementedError(f"{type(self).__name__} cannot average gradients outside its backward")
+
+    def _collective_ledger(self) -> CollectiveLedger | None:
+        """The ledger keeping collectives in step through a failed ``"auto"`` attempt (AccelFSDP); None: none needed."""
+        return None
+
+    def _reduce_in_attempt(self) -> AbstractContextManager[None]:
+        """Gradient reduction on for the last micro-batch of an attempt that runs every backward (with a ledger)."""
+        raise NotImplementedError(f"{type(self).__name__} has no collective ledger")
 
     def _prepare_backward_sync(self, output: Any) -> None:
         """Let the next backward reduce after a forward run under ``block_backward_sync`` (AccelDDP: the reducer)."""

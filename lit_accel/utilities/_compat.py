@@ -220,6 +220,29 @@ def fsdp_comm_base_classes() -> tuple[type, type]:
     return AllGather, ReduceScatter
 
 
+def fsdp_can_reset_iteration() -> bool:
+    """Whether this torch's FSDP2 has ``FSDPModule.reset_iter_state`` (recovery from a mid-attempt exception)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "reset_iter_state")
+
+
+def fsdp_drop_unsharded_grads(root: Any) -> None:
+    """Drop the unsharded gradients FSDP2 accumulates under ``set_requires_gradient_sync(False)``, below ``root``.
+
+    ``reset_iter_state`` leaves them (``FSDPParam.unsharded_accumulated_grad`` or the unsharded parameter's
+    ``.grad``, private); a redone attempt would add its gradients to the failed one's.
+    """
+    for module in root.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        for group in getattr(state() if state else None, "_fsdp_param_groups", ()):
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+
 def composable_checkpoint() -> Any:
     """``torch.distributed._composable.checkpoint``: activation checkpointing of a module without wrapping it.
 

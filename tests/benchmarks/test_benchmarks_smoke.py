@@ -105,6 +105,17 @@ def test_overhead_tiny_reports_the_overhead_ratio(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_tiny_reports_its_ratios_and_sharded_state(tmp_path):
+    result, _ = _run("fsdp.py", tmp_path, "--tiny")
+    two = result["results"]["2"]
+    assert set(two["median_step_ms"]) == {"accel_fsdp", "model_parallel", "accel_ddp", "accel_fsdp_auto"}
+    for ratio in ("accel_fsdp/model_parallel", "accel_fsdp/accel_ddp", "accel_fsdp_auto/accel_fsdp"):
+        assert two[ratio]["median"] > 0
+    state = two["per_rank_state_mb"]  # 2 ranks hold half of what DDP holds, "auto" or not
+    assert state["accel_fsdp"] == state["accel_fsdp_auto"] == state["model_parallel"] < 0.6 * state["accel_ddp"]
+
+
+@pytest.mark.slow
 def test_compile_tiny_reports_compiled_over_eager(tmp_path):
     result, _ = _run("compile.py", tmp_path, "--tiny")
     assert set(result["arms"]) == {"lit_accel", "lit_accel_compiled"}

@@ -36,7 +36,7 @@ def test_split_batch_slices_every_tensor_of_nested_batches():
 
 def _fit(rank: int, world: int, strategy: Any, loader_batch: int, steps: int = 4, **kwargs: Any) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    model = kwargs.pop("model", None) or BNModel(batchnorm=False)
+    model = kwargs.pop("model", lambda: BNModel(batchnorm=False))()  # a factory: built after the seed
     trainer_kwargs = small_trainer_kwargs(devices=world, max_steps=steps, max_epochs=-1, use_distributed_sampler=False)
     trainer_kwargs.update(kwargs)
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs)
@@ -98,7 +98,7 @@ class _OOMOnce(BNModel):
 
 def _recovery(rank: int, world: int) -> dict[str, Any]:
     auto = _fit(rank, world, AccelDDP(global_batch_size=24, micro_batch_size="auto", sync_batchnorm=False), 12,
-                steps=5, model=_OOMOnce())  # fmt: skip
+                steps=5, model=_OOMOnce)  # fmt: skip
     fixed = _fit(rank, world, AccelDDP(global_batch_size=24, micro_batch_size=6, sync_batchnorm=False), 12, steps=5)
     return {"auto": auto, "fixed": fixed}
 
@@ -114,8 +114,9 @@ def test_an_out_of_memory_on_one_rank_is_recovered_on_both_at_the_same_step():
 def _refusals(rank: int, world: int) -> dict[str, str]:
     messages = {}
     cases = {
-        "syncbn": (AccelDDP(global_batch_size=24, micro_batch_size="auto"), BNModel()),
-        "buffers": (AccelDDP(global_batch_size=24, micro_batch_size="auto", sync_batchnorm=False), BNModel()),
+        "syncbn": (AccelDDP(global_batch_size=24, micro_batch_size="auto"), BNModel),
+        "buffers": (AccelDDP(global_batch_size=24, micro_batch_size="auto", sync_batchnorm=False), BNModel),
+        "fsdp_syncbn": (AccelFSDP(global_batch_size=24, micro_batch_size="auto"), BNModel),
     }
     for name, (strategy, model) in cases.items():
         try:
@@ -129,8 +130,8 @@ def test_auto_refuses_forwards_with_collectives_and_bad_arguments_are_named():
     for messages in run_distributed(_refusals, 2, init_process_group=False, timeout=120):
         assert "SyncBatchNorm makes a collective in every forward" in messages["syncbn"]
         assert "buffer broadcast" in messages["buffers"] and "Fix: pass an int micro_batch_size" in messages["buffers"]
-    with pytest.raises(ValueError, match=r"AccelFSDP\(micro_batch_size='auto'\) cannot recover.*Fix: pass an int"):
-        AccelFSDP(global_batch_size=8, micro_batch_size="auto")
+        assert messages["fsdp_syncbn"].startswith("AccelFSDP(micro_batch_size='auto') cannot recover")
+        assert "SyncBatchNorm makes a collective in every forward. Fix:" in messages["fsdp_syncbn"]
     with pytest.raises(ValueError, match=r"micro_batch_size='auto'\) only serves global_batch_size"):
         AccelDDP(micro_batch_size="auto")
     with pytest.raises(ValueError, match=r"micro_batch_size='big'\): expected an int or 'auto'"):
@@ -139,7 +140,7 @@ def test_auto_refuses_forwards_with_collectives_and_bad_arguments_are_named():
 
 def test_batchnorm_statistics_are_per_micro_batch():
     """The documented behaviour: a split batch normalises each micro-batch with its own statistics."""
-    split = _fit(0, 1, AccelDDP(global_batch_size=16, micro_batch_size=4), 16, steps=2, model=BNModel())
+    split = _fit(0, 1, AccelDDP(global_batch_size=16, micro_batch_size=4), 16, steps=2, model=BNModel)
     pl.seed_everything(0, verbose=False)
     accumulated = BNModel()
     pl.Trainer(**small_trainer_kwargs(max_steps=2, accumulate_grad_batches=4)).fit(
@@ -167,7 +168,7 @@ def test_fp16_loss_scaling_sees_one_unscale_per_step_with_split_batches():
 
 
 def _capped(tmp: Path, budget_mb: float, micro: str, *extra: str) -> dict[str, Any]:
-    out = tmp / f"{micro}{''.join(extra)}.pt"
+    out = tmp / f"{micro}-{budget_mb}{''.join(extra)}.pt"
     # One malloc arena (its 64 MB reservations would eat the cap) and every large block mmapped (freed ones return
     # their address space), so the cap measures the tensors.
     env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")

@@ -1,0 +1,138 @@
+"""``AccelFSDP(micro_batch_size="auto")``: out-of-memory anywhere in forward or backward recovered on every rank.
+
+FSDP all-gathers in forward and reduce-scatters in backward, so these runs fail real allocations at the points where a
+rank out of step would leave its peers in a collective: inside a block's forward, in backward between two
+reduce-scatters, inside a collective's own call, in guarded and in recorded attempts, inside Lightning's accumulation
+window, and under a capped address space. The weights must equal a run with the final micro-batch from the start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_accel import AccelFSDP, AccelPrecision
+from lit_accel.strategies._fsdp_comm import _CountingReduceScatter
+from tests.helpers import BNModel, run_distributed
+from tests.strategies.test_micro_batching import _capped, _close, _fit, _reference
+
+
+class _FailInsideReduceScatter(pl.Callback):
+    """Rank 1's reduce-scatter fails allocating inside its call, after the ledger saw it (gloo's allocates there).
+
+    Points are ``(optimizer step, occurrence)``, counting reduce-scatters within the step on rank 1.
+    """
+
+    def __init__(self, points: list[tuple[int, int]]) -> None:
+        self.points, self.seen = set(points), {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        strategy, callback = trainer.strategy, self
+
+        class Failing(_CountingReduceScatter):
+            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                         async_op: bool = False):  # fmt: skip
+                step = trainer.global_step
+                occurrence = callback.seen.get(step, 0)
+                callback.seen[step] = occurrence + 1
+                if trainer.global_rank == 1 and (step, occurrence) in callback.points:
+                    callback.points.discard((step, occurrence))
+                    self.ledger.before(self, output_tensor, input_tensor, group, op)
+                    torch.empty(2**40, dtype=torch.uint8)  # raises: the CPU allocator cannot give a terabyte
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+        failing = Failing(strategy.comm_stats, strategy._collective_ledger())
+        for module in pl_module.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(failing)
+
+
+class _OOMAt(BNModel):
+    """Real allocation failures (a terabyte) at ``(rank, optimizer step, place, occurrence)``, each once.
+
+    Under FSDP each Linear is a shard block: "forward" fails in the second one's forward (after two all-gathers),
+    "backward" in the gradient of the first one's output (after the second's reduce-scatter, before the first's).
+    ``occurrence`` counts that place's passes within the step on that rank, failed attempts included.
+    """
+
+    def __init__(self, points: list[tuple[int, int, str, int]]) -> None:
+        super().__init__(batchnorm=False)
+        self.points, self.seen = set(points), {}
+        self.net[3].register_forward_hook(lambda *_: self._fail("forward"))
+        self.net[0].register_forward_hook(self._watch_gradient)
+
+    def _watch_gradient(self, module: Any, inputs: Any, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: self._fail("backward"))
+
+    def _fail(self, place: str) -> None:
+        step, rank = self.trainer.global_step, self.trainer.global_rank
+        occurrence = self.seen.get((step, place), 0)
+        self.seen[(step, place)] = occurrence + 1
+        if (rank, step, place, occurrence) in self.points:
+            self.points.discard((rank, step, place, occurrence))
+            torch.empty(2**40, dtype=torch.uint8)  # raises: the CPU allocator cannot give a terabyte
+
+
+def _fsdp_recovery(rank: int, world: int) -> dict[str, Any]:
+    runs = {}
+    # step 0: the first (guarded) attempt of 12 fails in forward on rank 1; step 2: a recorded attempt fails in the
+    # last (reduce-scattering) micro-batch's backward; step 3: a recorded attempt fails in the third forward
+    one_step = [(1, 0, "forward", 0), (1, 2, "backward", 1), (1, 3, "forward", 2)]
+    runs["auto"] = _fit(rank, world, AccelFSDP(global_batch_size=24, micro_batch_size="auto"), 12, steps=5,
+                        model=lambda: _OOMAt(one_step))  # fmt: skip
+    runs["fixed"] = _fit(rank, world, AccelFSDP(global_batch_size=24, micro_batch_size=2), 12, steps=5)
+    # loaded batches of 6, Lightning accumulating 2 per step: the second loaded batch of step 1 fails (rank 1, a
+    # recorded attempt), then its redo fails in its first backward (rank 0, a guarded attempt)
+    window = [(1, 1, "backward", 1), (0, 1, "backward", 2)]
+    runs["window"] = _fit(rank, world, AccelFSDP(global_batch_size=24, micro_batch_size="auto"), 6, steps=5,
+                          model=lambda: _OOMAt(window))  # fmt: skip
+    # the same in bf16: FSDP then holds the window's unsharded gradients in fp32 copies, which a failure must drop
+    for name, micro in (("window_bf16", "auto"), ("fixed2_bf16", 2), ("fixed6_bf16", 6)):
+        runs[name] = _fit(rank, world, AccelFSDP(global_batch_size=24, micro_batch_size=micro), 6, steps=5,
+                          model=lambda points=window if micro == "auto" else []: _OOMAt(points),
+                          plugins=[AccelPrecision("bf16-mixed")])  # fmt: skip
+    # inside the first reduce-scatter's call: at step 0 (a guarded attempt), at step 2 (a recorded one)
+    runs["in_call"] = _fit(rank, world, AccelFSDP(global_batch_size=24, micro_batch_size="auto"), 12, steps=5,
+                           callbacks=[_FailInsideReduceScatter([(0, 0), (2, 0)])])  # fmt: skip
+    return runs
+
+
+def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[key] - b[key]).abs().max().item() for key in a)
+
+
+def test_fsdp_recovers_from_out_of_memory_in_forward_and_backward_on_every_rank_at_the_same_step():
+    reference = _reference(24, 5)
+    for runs in run_distributed(_fsdp_recovery, 2, init_process_group=False, timeout=240):
+        assert runs["auto"]["changes"] == [(0, 12, 6), (2, 6, 3), (3, 3, 2)] and runs["auto"]["micro"] == 2
+        _close(runs["auto"]["state"], runs["fixed"]["state"])
+        assert runs["window"]["changes"] == [(1, 6, 3), (1, 3, 2)] and runs["window"]["accumulation"] == 2
+        _close(runs["window"]["state"], reference)
+        # bf16 rounding differs with the micro-batch: within twice the gap between micro-batches of 6 and 2
+        assert runs["window_bf16"]["changes"] == [(1, 6, 3), (1, 3, 2)]
+        chunking = _gap(runs["fixed6_bf16"]["state"], runs["fixed2_bf16"]["state"])
+        assert _gap(runs["window_bf16"]["state"], runs["fixed2_bf16"]["state"]) <= 2 * chunking
+        assert runs["in_call"]["changes"] == [(0, 12, 6), (2, 6, 3)]
+        _close(runs["in_call"]["state"], reference)
+    _close(runs["auto"]["state"], reference)
+
+
+@pytest.mark.slow
+def test_fsdp_auto_finds_the_largest_micro_batch_that_fits_under_a_real_memory_cap(tmp_path):
+    fsdp = ("--strategy", "fsdp")
+    # 16 MB: 32 per device cannot allocate (FSDP also gathers each block's parameters and keeps unsharded gradients)
+    auto = _capped(tmp_path, 16, "auto", *fsdp)
+    assert auto["micro"] == 16 and auto["changes"] == [(0, 32, 16)]
+    tight = _capped(tmp_path, 12, "auto", *fsdp)  # 12 MB: 16 fails too, in a guarded redo
+    assert tight["micro"] == 8 and tight["changes"] == [(0, 32, 16), (0, 16, 8)]
+    fixed = _capped(tmp_path, 1e6, "16", *fsdp)
+    joint = _capped(tmp_path, 1e6, "auto", "--reference")
+    for key, value in auto["state"].items():
+        assert torch.allclose(value, fixed["state"][key], atol=1e-5), key
+        assert torch.allclose(value, joint["state"][key], atol=1e-5), key
+        assert torch.allclose(tight["state"][key], joint["state"][key], atol=1e-5), key
