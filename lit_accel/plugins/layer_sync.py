@@ -47,7 +47,8 @@ def count_batchnorm_layers(model: Module) -> int:
     return sum(isinstance(m, _BatchNorm) for m in model.modules())
 
 
-def _is_synced(module: Module) -> bool:
+def is_synced_batchnorm(module: Module) -> bool:
+    """Whether ``module`` is a BatchNorm that all-reduces its statistics (torch's ``SyncBatchNorm`` or ours)."""
     return isinstance(module, (SyncBatchNorm, torch.nn.SyncBatchNorm))
 
 
@@ -125,7 +126,7 @@ class AccelSyncBatchNorm(LayerSync):
                 will run on CPU.
         """
         self.process_group = self._create_group()
-        todo = [m for m in model.modules() if isinstance(m, _BatchNorm) and not _is_synced(m)]
+        todo = [m for m in model.modules() if isinstance(m, _BatchNorm) and not is_synced_batchnorm(m)]
         self.num_converted = 0
         self.resolved_implementation = None
         if not todo:
@@ -189,7 +190,7 @@ class AccelSyncBatchNorm(LayerSync):
         if id(module) in memo:  # a layer shared at several places stays shared
             return memo[id(module)]
         out = module
-        if isinstance(module, _BatchNorm) and not _is_synced(module):
+        if isinstance(module, _BatchNorm) and not is_synced_batchnorm(module):
             out = self._to_sync(module)
             self.num_converted += 1
         memo[id(module)] = out

@@ -40,7 +40,8 @@ class FSDPCommStats(HookCommStats):
     """All-gathers and reduce-scatters of an FSDP2 model; satisfies :class:`lit_accel.protocols.CommStats`.
 
     ``calls``/``bytes`` count both kinds; ``all_gathers``/``reduce_scatters`` and their bytes count each, and
-    ``rounds`` the synchronised backward passes (reduce-scatter rounds: one per optimizer step with accumulation).
+    ``rounds`` the synchronised backward passes (reduce-scatter rounds: one per optimizer step with accumulation;
+    under ``micro_batch_size="auto"`` one per loaded batch, and a discarded attempt's where it ran).
     """
 
     def __init__(self) -> None:

@@ -55,13 +55,19 @@ class CollectiveLedger:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        #: The root FSDP modules, whose iteration state a failed attempt resets (set by the strategy at setup).
-        self.roots: list[Any] = []
+        self.roots: list[Any] = []  # the root FSDP modules, whose iteration state a failed attempt resets
+        #: Each failure this rank recovered from: (``"guarded"`` or ``"recorded"``, collectives it made for its peers).
+        self.recoveries: list[tuple[str, int]] = []
         self._kept: dict[int, list[_Collective]] = {}  # micro-batches per attempt -> its collectives, in order
         self._key: int | None = None  # the running attempt's micro-batch count; None: no attempt running
         self._device = torch.device("cpu")
         self._seen: list[_Collective] = []
         self._issued = 0
+        self._stale = False  # a recorded attempt whose collectives differ from the kept ones
+
+    def attach(self, roots: list[Any]) -> None:
+        """A fit's sharded model (its root FSDP modules); what was recorded for another model is dropped."""
+        self.roots, self._kept = roots, {}
 
     @property
     def guarded(self) -> bool:
@@ -71,7 +77,7 @@ class CollectiveLedger:
     def begin(self, micro_batches: int, device: torch.device) -> None:
         """An attempt of ``micro_batches`` forwards and backwards starts; its collectives go through :meth:`before`."""
         self._key, self._device = micro_batches, device
-        self._seen, self._issued = [], 0
+        self._seen, self._issued, self._stale = [], 0, False
 
     def before(self, comm: Any, output: torch.Tensor, input: torch.Tensor, group: Any, op: Any = None) -> None:
         """Called by the counting comms right before each collective, its buffers allocated.
@@ -85,6 +91,11 @@ class CollectiveLedger:
             if any_rank(False, self._device):  # the failed rank's agreement all-reduce answers this one
                 raise PeerOutOfMemory(f"{self.owner}: another rank ran out of memory in this attempt.")
             self._seen.append(_Collective(comm, _spec(output), _spec(input), group, op))
+        else:  # a model whose collectives changed (layers frozen or unfrozen, a branch unused) re-records
+            kept = self._kept[self._key]
+            expected = kept[self._issued] if self._issued < len(kept) else None
+            if expected is None or expected.comm is not comm or expected.input != _spec(input):
+                self._stale = True
 
     def after(self) -> None:
         """Called when the collective's call returned: issued (a call that failed allocating inside is not)."""
@@ -93,8 +104,11 @@ class CollectiveLedger:
 
     def finish(self, succeeded: bool) -> None:
         """The attempt is over (``succeeded``: on every rank); a guarded one that succeeded keeps its sequence."""
-        if self._key is not None and succeeded and self.guarded:
-            self._kept[self._key] = self._seen
+        key = self._key
+        if key is not None and succeeded and self.guarded:
+            self._kept[key] = self._seen
+        elif key is not None and succeeded and (self._stale or self._issued != len(self._kept[key])):
+            del self._kept[key]  # the next attempt of this size is guarded again and records what happens now
         self._key, self._seen = None, []
 
     def reset(self) -> None:
@@ -102,6 +116,8 @@ class CollectiveLedger:
         for root in self.roots:
             root.reset_iter_state()
             fsdp_drop_unsharded_grads(root)
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()  # the replay below allocates whole gathered buffers
 
     def complete_for_peers(self) -> None:
         """On the rank that failed: make, with zero-filled buffers, the collectives its peers make before they agree.
@@ -113,7 +129,15 @@ class CollectiveLedger:
         self._key = None  # the replayed collectives pass through ``before`` untouched
         if key is None:
             return
-        for call in self._kept[key][issued:] if key in self._kept else seen[issued:]:
+        if key in self._kept and self._stale:
+            raise RuntimeError(
+                f"{self.owner}(micro_batch_size='auto'): out of memory in an attempt whose FSDP collectives differ"
+                " from the recorded ones (parameters frozen or unfrozen, a branch unused?), so the other ranks"
+                " cannot be kept in step. Fix: an int micro_batch_size for this model."
+            )
+        rest = self._kept[key][issued:] if key in self._kept else seen[issued:]
+        self.recoveries.append(("recorded" if key in self._kept else "guarded", len(rest)))
+        for call in rest:
             output = torch.empty(call.output[0], dtype=call.output[1], device=call.output[2])
             input = torch.zeros(call.input[0], dtype=call.input[1], device=call.input[2])
             if call.op is None:

@@ -122,6 +122,11 @@ class MicroBatching:
         self.changes: list[MicroBatchChange] = []
         self._proven = not self.auto
         self._held: list[tuple[Tensor, Tensor]] = []
+        self._statistics: _Statistics | None = None
+
+    def new_fit(self) -> None:
+        """A further fit (maybe of another model) keeps the size found, and forgets the model's BatchNorm layers."""
+        self._statistics = None
 
     def run(self, strategy: Any, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
         """``strategy.training_step`` for one loaded batch: every forward and backward but AccelDDP's last backward."""
@@ -134,6 +139,10 @@ class MicroBatching:
         # earlier ones go back for Lightning to zero or keep, as it would without micro-batches.
         earlier = _take_gradients(strategy.model)
         ledger = strategy._collective_ledger() if self.auto else None
+        if self.auto:
+            if self._statistics is None:
+                self._statistics = _Statistics(strategy.lightning_module)
+            self._statistics.save()  # a discarded attempt's forward must not move the running statistics
         while True:
             size = min(self.size, n)
             bounds = [(i, min(i + size, n)) for i in range(0, n, size)]
@@ -162,6 +171,8 @@ class MicroBatching:
                 if ledger is not None:
                     ledger.finish(succeeded=not failed)
                 if failed:
+                    assert self._statistics is not None
+                    self._statistics.restore()
                     self._shrink(strategy)
                     continue
             if not lightning_last and self.auto:
@@ -227,6 +238,26 @@ class MicroBatching:
         self.changes.append(MicroBatchChange(step, old, self.size))
         self._proven = False
         rank_zero_info(f"{self.owner}: out of memory at optimizer step {step}; micro-batch {old} -> {self.size}.")
+
+
+class _Statistics:
+    """The running statistics of a model's BatchNorm layers, saved before each loaded batch (one foreach copy)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        names = ("running_mean", "running_var", "num_batches_tracked")
+        layers = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+        self.buffers = [b for m in layers for b in (getattr(m, n) for n in names) if isinstance(b, torch.Tensor)]
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def save(self) -> None:
+        if self.buffers:
+            torch._foreach_copy_(self.saved, self.buffers)
+
+    def restore(self) -> None:
+        if self.buffers:
+            torch._foreach_copy_(self.buffers, self.saved)
 
 
 def all_reduce_mean_(grads: list[Tensor], group: Any = None) -> None:

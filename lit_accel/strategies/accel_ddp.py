@@ -239,8 +239,8 @@ class AccelDDP(AccelParts, DDPStrategy):
         # its peers waiting in SyncBatchNorm's all-reduce or DDP's buffer broadcast.
         module = self.lightning_module
         broadcasts = self._ddp_kwargs.get("broadcast_buffers") is not False and any(True for _ in module.buffers())
-        if self._syncs_batchnorm() or broadcasts:
-            what = "SyncBatchNorm" if self._syncs_batchnorm() else "DDP's buffer broadcast"
+        what = self._forward_collective() or ("DDP's buffer broadcast" if broadcasts else None)
+        if what is not None:
             raise ValueError(
                 f"{type(self).__name__}(micro_batch_size='auto') cannot recover from out-of-memory here: {what} makes"
                 " a collective in every forward. Fix: pass an int micro_batch_size, or sync_batchnorm=False and"

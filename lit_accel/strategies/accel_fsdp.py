@@ -228,7 +228,7 @@ class AccelFSDP(AccelParts, _RootCalls):
         install_counting_comms(self.model, self._comm_stats, self._ledger)
         self._fsdp_roots = self._top_fsdp_modules()
         if self._ledger is not None:
-            self._ledger.roots = self._fsdp_roots
+            self._ledger.attach(self._fsdp_roots)  # a new fit may shard another model: nothing recorded is kept
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
@@ -301,13 +301,20 @@ class AccelFSDP(AccelParts, _RootCalls):
 
     @override
     def _check_micro_batching(self, auto: bool) -> None:
-        name = type(self).__name__
-        if auto and self._syncs_batchnorm():  # its all-reduce in every forward is not an FSDP collective
+        name, module = type(self).__name__, self.lightning_module
+        if not auto:
+            return
+        # collectives outside FSDP's own all-gathers and reduce-scatters, which the ledger cannot keep in step
+        what = self._forward_collective()
+        if what is None and module is not None and any(_float8_all_gather(m) for m in module.modules()):
+            what = "torchao's float8 all-gather (its scale all-reduce)"
+        if what is not None:
             raise ValueError(
-                f"{name}(micro_batch_size='auto') cannot recover from out-of-memory here: SyncBatchNorm makes a"
-                " collective in every forward. Fix: pass an int micro_batch_size, or sync_batchnorm=False."
+                f"{name}(micro_batch_size='auto') cannot recover from out-of-memory here: {what} makes a collective"
+                " in every forward. Fix: pass an int micro_batch_size, or sync_batchnorm=False (float8:"
+                " enable_fsdp_float8_all_gather=False)."
             )
-        if auto and not _compat.fsdp_can_reset_iteration():
+        if not _compat.fsdp_can_reset_iteration():
             raise ValueError(
                 f"{name}(micro_batch_size='auto') needs FSDPModule.reset_iter_state, which torch {torch.__version__}"
                 " lacks. Fix: a newer torch, or an int micro_batch_size."
@@ -341,3 +348,8 @@ class AccelFSDP(AccelParts, _RootCalls):
         if self._layer_sync is not None and self.model is not None:
             self.model = self._layer_sync.revert(self.model)
         super().teardown()
+
+
+def _float8_all_gather(module: torch.nn.Module) -> bool:
+    """A torchao Float8Linear whose FSDP all-gather carries float8 weights (it all-reduces their scales first)."""
+    return bool(getattr(getattr(module, "config", None), "enable_fsdp_float8_all_gather", False))

@@ -14,12 +14,13 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lit_accel.callbacks.hang_watchdog import HangWatchdog
-from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, count_batchnorm_layers
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
 from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
 from lit_accel.strategies._global_batch import GlobalBatch
@@ -123,10 +124,14 @@ class AccelParts:
     def _check_micro_batching(self, auto: bool) -> None:
         """Refuse what the strategy cannot split batches with (AccelDDP: auto with collectives in forward)."""
 
-    def _syncs_batchnorm(self) -> bool:
-        """Whether the model's forward all-reduces BatchNorm statistics (a collective ``"auto"`` cannot recover in)."""
-        module = self.lightning_module
-        return self._layer_sync is not None and module is not None and count_batchnorm_layers(module) > 0
+    def _forward_collective(self) -> str | None:
+        """What in the model makes a collective of its own in forward (``"auto"`` cannot recover there), or None."""
+        module, layer_sync = self.lightning_module, self._layer_sync
+        if module is not None and any(is_synced_batchnorm(m) for m in module.modules()):
+            return "SyncBatchNorm"
+        if layer_sync is not None and not isinstance(layer_sync, (AccelSyncBatchNorm, TorchSyncBatchNorm)):
+            return f"the LayerSync plugin {type(layer_sync).__name__}"  # a user's: it may sync any layer
+        return None
 
     def _average_gradients(self) -> None:
         """Average the gradients over ranks now (after micro-batches whose backward all stayed local)."""
@@ -194,7 +199,8 @@ class AccelParts:
     def _micro_batching(self, loaded: int | None) -> MicroBatching | None:
         arg = self._micro_batch_arg
         if self._micro is not None and self._micro.auto:
-            return self._micro  # a further fit keeps what it learned
+            self._micro.new_fit()
+            return self._micro  # a further fit keeps the size it learned
         if arg != "auto" and (arg is None or loaded is None or arg >= loaded):
             return None
         owner = type(self).__name__

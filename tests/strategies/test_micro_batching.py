@@ -47,6 +47,8 @@ def _fit(rank: int, world: int, strategy: Any, loader_batch: int, steps: int = 4
         "micro": strategy.micro_batch_size,
         "changes": [(c.step, c.old, c.new) for c in strategy.micro_batch_changes],
         "accumulation": trainer.accumulate_grad_batches,
+        "rounds": getattr(strategy.comm_stats, "rounds", None),  # FSDP: reduce-scatter rounds
+        "recoveries": list(getattr(getattr(strategy, "_ledger", None), "recoveries", [])),
     }
 
 
@@ -78,6 +80,7 @@ def test_a_fixed_micro_batch_splits_loaded_batches_without_changing_the_training
     for runs in run_distributed(_fixed_runs, 2, init_process_group=False, timeout=180):
         assert (runs["ddp"]["micro"], runs["ddp"]["accumulation"]) == (5, 1)
         assert (runs["fsdp"]["micro"], runs["fsdp"]["accumulation"]) == (4, 2)
+        assert runs["fsdp"]["rounds"] == 4  # one reduce-scatter round per optimizer step: none inside the window
         _close(runs["ddp"]["state"], reference)
         _close(runs["fsdp"]["state"], reference)
 

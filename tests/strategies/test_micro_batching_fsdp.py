@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lit_accel import AccelFSDP, AccelPrecision
+from lit_accel import AccelDDP, AccelFSDP, AccelPrecision
 from lit_accel.strategies._fsdp_comm import _CountingReduceScatter
 from tests.helpers import BNModel, run_distributed
 from tests.strategies.test_micro_batching import _capped, _close, _fit, _reference
@@ -60,8 +60,8 @@ class _OOMAt(BNModel):
     ``occurrence`` counts that place's passes within the step on that rank, failed attempts included.
     """
 
-    def __init__(self, points: list[tuple[int, int, str, int]]) -> None:
-        super().__init__(batchnorm=False)
+    def __init__(self, points: list[tuple[int, int, str, int]], batchnorm: bool = False) -> None:
+        super().__init__(batchnorm=batchnorm)
         self.points, self.seen = set(points), {}
         self.net[3].register_forward_hook(lambda *_: self._fail("forward"))
         self.net[0].register_forward_hook(self._watch_gradient)
@@ -99,7 +99,29 @@ def _fsdp_recovery(rank: int, world: int) -> dict[str, Any]:
     # inside the first reduce-scatter's call: at step 0 (a guarded attempt), at step 2 (a recorded one)
     runs["in_call"] = _fit(rank, world, AccelFSDP(global_batch_size=24, micro_batch_size="auto"), 12, steps=5,
                            callbacks=[_FailInsideReduceScatter([(0, 0), (2, 0)])])  # fmt: skip
+    # BatchNorm (not synchronised): the failed attempt's forward moved the running statistics, which must go back
+    bn = [(1, 0, "forward", 0)]
+    for name, make in (
+        ("bn_fsdp", lambda m: AccelFSDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False)),
+        ("bn_ddp", lambda m: AccelDDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False,
+                                      broadcast_buffers=False)),
+    ):  # fmt: skip
+        runs[name] = _fit(rank, world, make("auto"), 12, steps=3, model=lambda: _OOMAt(bn, batchnorm=True))
+        runs[name + "_fixed"] = _fit(rank, world, make(6), 12, steps=3, model=lambda: BNModel())
     return runs
+
+
+def _check_recoveries(rank: int, runs: dict[str, Any]) -> None:
+    """Each failure was recovered the intended way: guarded (nothing, or the failed call, made for the peers) or
+    recorded (the rest of the kept collectives made for them)."""
+    mine = {name: runs[name]["recoveries"] for name in ("auto", "window", "in_call")}
+    if rank == 0:
+        assert mine == {"auto": [], "window": [("guarded", 0)], "in_call": []}
+        return
+    (g, n0), (r1, n1), (r2, n2) = mine["auto"]
+    assert (g, n0, r1, r2) == ("guarded", 0, "recorded", "recorded") and n1 > 0 and n2 > n1  # n2: earlier, longer
+    assert len(mine["window"]) == 1 and mine["window"][0][0] == "recorded" and mine["window"][0][1] > 0
+    assert mine["in_call"][0] == ("guarded", 1) and mine["in_call"][1][0] == "recorded" and mine["in_call"][1][1] > 0
 
 
 def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -108,7 +130,11 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_fsdp_recovers_from_out_of_memory_in_forward_and_backward_on_every_rank_at_the_same_step():
     reference = _reference(24, 5)
-    for runs in run_distributed(_fsdp_recovery, 2, init_process_group=False, timeout=240):
+    for rank, runs in enumerate(run_distributed(_fsdp_recovery, 2, init_process_group=False, timeout=300)):
+        _check_recoveries(rank, runs)
+        for name in ("bn_fsdp", "bn_ddp"):
+            assert runs[name]["changes"] == [(0, 12, 6)]
+            _close(runs[name]["state"], runs[name + "_fixed"]["state"])  # num_batches_tracked and running stats too
         assert runs["auto"]["changes"] == [(0, 12, 6), (2, 6, 3), (3, 3, 2)] and runs["auto"]["micro"] == 2
         _close(runs["auto"]["state"], runs["fixed"]["state"])
         assert runs["window"]["changes"] == [(1, 6, 3), (1, 3, 2)] and runs["window"]["accumulation"] == 2
