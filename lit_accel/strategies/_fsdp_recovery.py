@@ -12,10 +12,10 @@ custom-comm hooks:
 - recorded: every later attempt. No extra collective; a rank that fails makes the rest of the kept sequence with
   zero-filled buffers, so its peers finish the attempt, and then every rank agrees with the step's one all-reduce.
 
-Either way every rank then resets FSDP's iteration state (``FSDPModule.reset_iter_state``) and drops the partial
-gradients, and the attempt is redone with half the micro-batch. The kept sequence is valid because FSDP issues the
-same collectives in the same order on every rank and in every attempt with the same number of micro-batches (the
-batch size changes the activations, never the parameter groups gathered or reduced).
+Either way every interrupted rank then resets FSDP's iteration state (``FSDPModule.reset_iter_state``) and drops the
+partial gradients, every rank discards the attempt, and it is redone with half the micro-batch. The kept sequence is
+valid because FSDP issues the same collectives in the same order on every rank and in every attempt with the same number
+of micro-batches (the batch size changes the activations, never the parameter groups gathered or reduced).
 """
 
 from __future__ import annotations

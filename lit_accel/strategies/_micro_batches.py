@@ -152,7 +152,9 @@ class MicroBatching:
                 ledger.begin(len(bounds), strategy.root_device)
             failure = None  # "own" (this rank ran out of memory) or "peer" (another did; FSDP's guarded attempts)
             try:
-                output = self._attempt(strategy, step, batch, bounds, n, accumulation, lightning_last, args, kwargs)
+                output = self._attempt(
+                    strategy, step, batch, bounds, n, accumulation, lightning_last, ledger is not None, args, kwargs
+                )
             except Exception as err:
                 failure = "peer" if isinstance(err, PeerOutOfMemory) else "own" if is_out_of_memory(err) else None
                 if not self.auto or failure is None:
@@ -193,7 +195,7 @@ class MicroBatching:
 
     def _attempt(
         self, strategy: Any, step: Callable[..., Any], batch: Any, bounds: list, n: int, accumulation: int,
-        lightning_last: bool, args: tuple, kwargs: dict,
+        lightning_last: bool, reduce_last: bool, args: tuple, kwargs: dict,
     ) -> Any:  # fmt: skip
         last = len(bounds) - 1
         total = None
@@ -210,8 +212,7 @@ class MicroBatching:
                 return _replace_loss(output, loss * weight if total is None else loss * weight + total)
             # AccelFSDP's "auto": the last chunk reduce-scatters here, even inside Lightning's accumulation window, so
             # that a failed attempt leaves no partial gradient inside FSDP (earlier loaded batches' are sharded).
-            reduces = i == last and strategy._collective_ledger() is not None
-            with strategy._reduce_in_attempt() if reduces else strategy.block_backward_sync():
+            with strategy._reduce_in_attempt() if i == last and reduce_last else strategy.block_backward_sync():
                 output = step(split_batch(batch, start, stop), *args, **kwargs)
                 loss = _loss_of(output)
                 # Lightning divides the loss it backpropagates by the accumulation: these chunks get the same.

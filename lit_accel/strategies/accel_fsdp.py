@@ -265,35 +265,33 @@ class AccelFSDP(AccelParts, _RootCalls):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches accumulate unsharded gradients locally: no reduce-scatter."""
-        if self._sync_blocked:  # nested (a micro-batch inside Lightning's window): the outer one restores
+        # (nested, a micro-batch inside Lightning's window: already off, and the outer one turns it back on)
+        with self._gradient_sync(False):
             yield
-            return
-        modules = self._fsdp_roots
-        for module in modules:
-            module.set_requires_gradient_sync(False)
-        self._sync_blocked = True
-        try:
-            yield
-        finally:
-            self._sync_blocked = False
-            for module in modules:
-                module.set_requires_gradient_sync(True)
 
     @contextmanager
+    @override
     def _reduce_in_attempt(self) -> Generator[None, None, None]:
-        blocked, self._reduced_in_attempt = self._sync_blocked, False
-        if blocked:  # inside Lightning's accumulation window: this one backward reduce-scatters all the same
-            for module in self._fsdp_roots:
-                module.set_requires_gradient_sync(True)
-            self._sync_blocked = False
+        self._reduced_in_attempt = False
+        with self._gradient_sync(True):  # inside Lightning's accumulation window too
+            yield
+        self._reduced_in_attempt = True  # Lightning's backward of the detached loss follows
+
+    @contextmanager
+    def _gradient_sync(self, on: bool) -> Generator[None, None, None]:
+        """FSDP's gradient reduction on or off inside, as it was after."""
+        if self._sync_blocked != on:  # already as asked
+            yield
+            return
+        for module in self._fsdp_roots:
+            module.set_requires_gradient_sync(on)
+        self._sync_blocked = not on
         try:
             yield
         finally:
-            if blocked:
-                for module in self._fsdp_roots:
-                    module.set_requires_gradient_sync(False)
-                self._sync_blocked = True
-        self._reduced_in_attempt = True  # Lightning's backward of the detached loss follows
+            self._sync_blocked = on
+            for module in self._fsdp_roots:
+                module.set_requires_gradient_sync(not on)
 
     @override
     def _collective_ledger(self) -> CollectiveLedger | None:
@@ -301,9 +299,9 @@ class AccelFSDP(AccelParts, _RootCalls):
 
     @override
     def _check_micro_batching(self, auto: bool) -> None:
-        name, module = type(self).__name__, self.lightning_module
         if not auto:
             return
+        name, module = type(self).__name__, self.lightning_module
         # collectives outside FSDP's own all-gathers and reduce-scatters, which the ledger cannot keep in step
         what = self._forward_collective()
         if what is None and module is not None and any(_float8_all_gather(m) for m in module.modules()):

@@ -154,8 +154,11 @@ def test_fsdp_auto_finds_the_largest_micro_batch_that_fits_under_a_real_memory_c
     # 16 MB: 32 per device cannot allocate (FSDP also gathers each block's parameters and keeps unsharded gradients)
     auto = _capped(tmp_path, 16, "auto", *fsdp)
     assert auto["micro"] == 16 and auto["changes"] == [(0, 32, 16)]
-    tight = _capped(tmp_path, 12, "auto", *fsdp)  # 12 MB: 16 fails too, in a guarded redo
-    assert tight["micro"] == 8 and tight["changes"] == [(0, 32, 16), (0, 16, 8)]
+    # 12 MB: 16 fails too, in a guarded redo. 8 fits in all but rare runs: this cap sits 1 MB from the edge (11-13 MB
+    # give 8), and the address space other code takes varies by about that much, so a further halving to 4 may follow.
+    tight = _capped(tmp_path, 12, "auto", *fsdp)
+    assert tight["changes"][:2] == [(0, 32, 16), (0, 16, 8)] and tight["micro"] == tight["changes"][-1][2] <= 8
+    assert all(step == 0 and new == old // 2 for step, old, new in tight["changes"])
     fixed = _capped(tmp_path, 1e6, "16", *fsdp)
     joint = _capped(tmp_path, 1e6, "auto", "--reference")
     for key, value in auto["state"].items():
