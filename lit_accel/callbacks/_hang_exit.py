@@ -47,7 +47,10 @@ def _flush_stdio(timeout_s: float = 1.0) -> None:
                 stream.flush()
 
     thread = threading.Thread(target=flush, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # "can't start new thread": out of memory, the case a hang often comes with; exit unflushed
+        return
     thread.join(timeout_s)
 
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from lit_accel.strategies._micro_batches import PeerOutOfMemory, any_rank
+from lit_accel.strategies._micro_batches import PeerOutOfMemory, any_rank, is_out_of_memory
 from lit_accel.utilities._compat import fsdp_drop_unsharded_grads
 
 __all__ = ["CollectiveLedger"]
@@ -64,6 +65,7 @@ class CollectiveLedger:
         self._seen: list[_Collective] = []
         self._issued = 0
         self._stale = False  # a recorded attempt whose collectives differ from the kept ones
+        self._gloo: dict[Any, bool] = {}  # process group -> whether its backend is gloo
 
     def attach(self, roots: list[Any]) -> None:
         """A fit's sharded model (its root FSDP modules); what was recorded for another model is dropped."""
@@ -87,6 +89,13 @@ class CollectiveLedger:
         """
         if self._key is None:
             return
+        if output.device.type == "cpu" and self._is_gloo(group):
+            # gloo takes the collective's tag and only then allocates its own buffers (a flat copy of the all-gather's
+            # output, a clone of the reduce-scatter's input and its all-reduce's scratch), so a failure there leaves
+            # the peers waiting on a tag nobody can complete. Allocating as much here first moves that failure out of
+            # the call, to where the guard or the replay recovers it.
+            size = output.numel() * output.element_size() if op is None else 2 * input.numel() * input.element_size()
+            torch.empty(size, dtype=torch.uint8)  # freed at once: the call's own allocation gets the space back
         if self.guarded:
             if any_rank(False, self._device):  # the failed rank's agreement all-reduce answers this one
                 raise PeerOutOfMemory(f"{self.owner}: another rank ran out of memory in this attempt.")
@@ -96,6 +105,11 @@ class CollectiveLedger:
             expected = kept[self._issued] if self._issued < len(kept) else None
             if expected is None or expected.comm is not comm or expected.input != _spec(input):
                 self._stale = True
+
+    def _is_gloo(self, group: Any) -> bool:
+        if group not in self._gloo:
+            self._gloo[group] = dist.get_backend(group) == "gloo"
+        return self._gloo[group]
 
     def after(self) -> None:
         """Called when the collective's call returned: issued (a call that failed allocating inside is not)."""
@@ -137,11 +151,20 @@ class CollectiveLedger:
             )
         rest = self._kept[key][issued:] if key in self._kept else seen[issued:]
         self.recoveries.append(("recorded" if key in self._kept else "guarded", len(rest)))
-        for call in rest:
-            output = torch.empty(call.output[0], dtype=call.output[1], device=call.output[2])
-            input = torch.zeros(call.input[0], dtype=call.input[1], device=call.input[2])
-            if call.op is None:
-                call.comm(output, input, call.group, async_op=False)
-            else:
-                call.comm(output, input, call.group, call.op, async_op=False)
-            del output, input
+        try:
+            for call in rest:
+                output = torch.empty(call.output[0], dtype=call.output[1], device=call.output[2])
+                input = torch.zeros(call.input[0], dtype=call.input[1], device=call.input[2])
+                if call.op is None:
+                    call.comm(output, input, call.group, async_op=False)
+                else:
+                    call.comm(output, input, call.group, call.op, async_op=False)
+                del output, input
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            raise RuntimeError(
+                f"{self.owner}(micro_batch_size='auto'): out of memory again while making the {len(rest)} FSDP"
+                " collectives the other ranks wait in, so this job cannot recover (its peers stop with it). Fix: an"
+                " int micro_batch_size that leaves room for one gathered FSDP unit, or more memory per device."
+            ) from err

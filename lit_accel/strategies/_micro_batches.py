@@ -45,8 +45,8 @@ _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: one flat copy of at most thi
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """A CUDA ``OutOfMemoryError`` or the CPU allocator's "can't allocate memory"."""
-    if isinstance(error, torch.OutOfMemoryError):
+    """CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate memory", or a ``MemoryError`` (bad_alloc)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
@@ -179,7 +179,7 @@ class MicroBatching:
                     continue
             if not lightning_last and self.auto:
                 if ledger is None:
-                    strategy._average_gradients()  # the backward of every chunk stayed local
+                    self._average(strategy)
                 self._proven = True
                 output = _replace_loss(output, _loss_of(output).detach().requires_grad_())  # Lightning's: no-op
             elif self.auto:
@@ -187,6 +187,18 @@ class MicroBatching:
             self._held = _take_gradients(strategy.model)
             _put_gradients(earlier)
             return output
+
+    def _average(self, strategy: Any) -> None:
+        try:
+            strategy._average_gradients()  # the backward of every chunk stayed local
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            raise RuntimeError(
+                f"{type(strategy).__name__}(micro_batch_size='auto'): out of memory averaging the gradients (one"
+                f" bucket of at most {_BUCKET_BYTES // 2**20} MB at a time), which no micro-batch size changes. Fix:"
+                " more memory per device, or AccelFSDP, which shards the gradients."
+            ) from err
 
     def restore_gradients(self) -> None:
         """Add back the micro-batches' gradients held over Lightning's ``zero_grad`` (a no-op when none are held)."""

@@ -692,3 +692,14 @@ def test_job_ends_non_zero_within_seconds_of_the_timeout_and_leaves_nothing_runn
 
 def test_every_rank_names_the_stuck_rank_its_phase_and_its_stack(jobs):
     _check_names_stuck_rank_phase_and_stack(jobs["sleep-2"].output, 2, 1, "forward", "training_step")
+
+
+def test_ending_the_process_does_not_need_a_new_thread(monkeypatch):
+    """Out of memory no thread can start: the flush before ``os._exit`` must give up, not raise (the job would hang)."""
+    from lit_accel.callbacks import _hang_exit
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    _hang_exit._flush_stdio()  # returns: end_process goes on to os._exit

@@ -1,6 +1,6 @@
 """A 2-process AccelDDP or AccelFSDP job whose address space is capped after start-up, for micro_batch_size="auto".
 
-Run by tests/strategies/test_micro_batching.py: ``python micro_batch_oom.py --budget-mb 12 --out result.pt``
+Run by tests/strategies/test_micro_batching.py: ``python micro_batch_oom.py --budget-mb 47 --out result.pt``
 (``--strategy fsdp`` for AccelFSDP; with
 MALLOC_ARENA_MAX=1 and MALLOC_MMAP_THRESHOLD_=65536 in the environment, so that glibc's arenas do not eat the cap
 and freed blocks give their address space back). Each rank caps its
@@ -27,7 +27,7 @@ from lit_accel import AccelDDP, AccelFSDP
 from tests.helpers import make_dataset, make_loader
 from tests.strategies.test_accel_fsdp import full_state
 
-HIDDEN, SAMPLES, PER_DEVICE = 32768, 128, 32
+HIDDEN, SAMPLES, PER_DEVICE = 131072, 128, 32
 
 
 class Wide(pl.LightningModule):
