@@ -61,7 +61,11 @@ class MemoryMeter:
     """
 
     def __init__(
-        self, device: torch.device | str = "cpu", *, world_size: int | None = None, allocator: AllocatorStats | None = None
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        world_size: int | None = None,
+        allocator: AllocatorStats | None = None,
     ) -> None:
         check_int("MemoryMeter", "world_size", world_size, allow_none=True, example=8)
         self.device = torch.device(device)

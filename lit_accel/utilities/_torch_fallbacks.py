@@ -19,7 +19,9 @@ __all__ = ["HAS_SINGLE_COLLECTIVES", "all_gather_single", "reduce_scatter_single
 HAS_SINGLE_COLLECTIVES = hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
 
 
-def all_gather_single(output: Any, input: Any, group: Any = None, async_op: bool = False, *, native: bool = True) -> Any:
+def all_gather_single(
+    output: Any, input: Any, group: Any = None, async_op: bool = False, *, native: bool = True
+) -> Any:
     """Gather every rank's ``input`` into ``output`` in rank order; the work handle when ``async_op``.
 
     ``native=False`` takes the fallback even where torch has the new API (the tests run both).
