@@ -6,10 +6,10 @@ import inspect
 
 from torch import nn
 
-#: torch >= 2.13: ``nn.BatchNorm*d(bias=False)``; older releases have a weight without a bias only by hand.
+#: torch >= 2.12: ``nn.BatchNorm*d(bias=False)``; older releases have a weight without a bias only by hand.
 BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(nn.modules.batchnorm._BatchNorm.__init__).parameters
-#: A keyword argument of ``DistributedDataParallel`` that only passes through (``forward_sync_buffers`` where torch
-#: has it, else ``broadcast_buffers``).
+#: A keyword argument of ``DistributedDataParallel`` that only passes through (``forward_sync_buffers``, torch >= 2.13,
+#: else ``broadcast_buffers``).
 DDP_PASS_THROUGH = (
     "forward_sync_buffers"
     if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
