@@ -150,7 +150,11 @@ def check_memory(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
             f"{fmt(peak, ',.1f')} MB; the process peaked at {spike_mb:,.1f} MB before the fit",
         )
         if ctx["cuda"]
-        else row("MemoryMonitor peak_allocated_mb", "INFO", f"CPU dry run: {'absent' if peak is None else peak}")
+        else row(
+            "MemoryMonitor peak_allocated_mb is this fit's",
+            "INFO",
+            f"CPU dry run: {'absent' if peak is None else peak}",
+        )
     )
     rows = [row(f"MemoryMonitor activations (bf16, b={spec['batch']})", result, detail), peak_row]
     return rows, {"summary": s, "allocated_growth_mb": grown, "held_mb": held}
