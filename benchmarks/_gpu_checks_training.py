@@ -110,10 +110,11 @@ class _ForwardAllocation(Callback):
 
 
 def check_memory(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
-    from lit_accel import AccelPrecision, MemoryMonitor
+    from lit_accel import AccelPrecision, EfficiencyMonitor, MemoryMonitor
 
     spec = {**vit_spec(ctx), "batch": 4 if ctx["dry_run"] else 32}
     monitor, probe = MemoryMonitor(print_summary=False), _ForwardAllocation(ctx)
+    efficiency = EfficiencyMonitor(warmup_steps=0, print_summary=False)
     module = classifier(build_vit(spec), spec["lr"])
     spike_mb = 0.0
     if ctx["cuda"]:  # a process peak before the fit that the fit's own peak must not report (peaks restart per fit)
@@ -121,7 +122,7 @@ def check_memory(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         spike_mb = torch.cuda.max_memory_allocated(ctx["device"]) / 1e6
         del spike
         release(ctx)
-    trainer = make_trainer(ctx, plugins=[AccelPrecision("bf16-mixed")], callbacks=[monitor, probe], max_steps=2)
+    trainer = make_trainer(ctx, plugins=[AccelPrecision("bf16-mixed")], callbacks=[monitor, probe, efficiency], max_steps=2)
     trainer.fit(module, train_dataloaders=_common.RepeatBatch(vit_batch(spec, spec["batch"], ctx["device"]), 2))
     del trainer, module
     release(ctx)
@@ -157,6 +158,10 @@ def check_memory(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         )
     )
     rows = [row(f"MemoryMonitor activations (bf16, b={spec['batch']})", result, detail), peak_row]
+    if ctx["cuda"]:
+        peak_gb = efficiency.summary.get("peak_memory_gb")
+        ok = peak_gb is not None and 0 < peak_gb * 1e3 < spike_mb
+        rows.append(row("EfficiencyMonitor peak_memory_gb is this fit's", "PASS" if ok else "FAIL", f"{peak_gb} GB"))
     return rows, {"summary": s, "allocated_growth_mb": grown, "held_mb": held}
 
 
