@@ -122,7 +122,9 @@ def check_memory(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         spike_mb = torch.cuda.max_memory_allocated(ctx["device"]) / 1e6
         del spike
         release(ctx)
-    trainer = make_trainer(ctx, plugins=[AccelPrecision("bf16-mixed")], callbacks=[monitor, probe, efficiency], max_steps=2)
+    trainer = make_trainer(
+        ctx, plugins=[AccelPrecision("bf16-mixed")], callbacks=[monitor, probe, efficiency], max_steps=2
+    )
     trainer.fit(module, train_dataloaders=_common.RepeatBatch(vit_batch(spec, spec["batch"], ctx["device"]), 2))
     del trainer, module
     release(ctx)
