@@ -26,8 +26,8 @@ part2 (ViT-B/16 at ``min(--batch, 128)``, 3 warm-up and 10 timed steps, fused Ad
 8. ``compile``: ``AccelDDP(compile=True)`` (inductor per block) must not be slower than eager, first 3 losses equal
    within 4 bf16 rounding units.
 9. ``fp8`` (``_gpu_checks_fp8.py``): ``"fp8-mixed"`` converts on FP8 tensor cores (capability >= 8.9) with finite
-   losses; compiled FP8 must beat compiled bf16 on a model wide enough for FP8 to pay off (ViT-B/16 as INFO); and a
-   ViT batch of 3 (591 rows) trains, which ``torch._scaled_mm`` takes only padded.
+   losses; compiled FP8 must beat compiled bf16 on a model wide enough for FP8 to pay off (ViT-B/16 eager as INFO);
+   and a ViT batch of 3 (591 rows) trains, which ``torch._scaled_mm`` takes only padded.
 
 ``--dry-run`` runs the same code on CPU with tiny shapes (gloo, host-read counts, ``aot_eager``, emulated FP8, no
 allocator); what only a GPU can judge is INFO. Results are written to ``--out`` (JSON and a markdown table) after
