@@ -37,7 +37,7 @@ def _run(script: str, tmp_path: Path, *args: str, timeout: float = 240) -> tuple
     return result, proc.stdout
 
 
-@pytest.mark.slow  # ~1.5 min on 2 idle cores (both parts, 4 compiled arms); CI's floor environment runs it too
+@pytest.mark.slow  # minutes on 2 cores (both parts, 3 compiled arms); CI's floor environment runs it too
 @pytest.mark.timeout(480)
 def test_gpu_check_dry_run_passes_and_prints_the_table_last(tmp_path):
     # Both parts (the default), as the lent GPU machine runs them in two calls; the JSON is rewritten after each check.
