@@ -184,6 +184,8 @@ class EfficiencyMeter:
         self._progress = _Progress(last_end=now, last_step_end=now, compiles_at_start=dynamo_compile_counts())
         self._totals, self._total_window_s, self.windows = None, 0.0, []
         self.stragglers.reset()
+        if self.config.cuda:  # peak_memory_gb is this fit's, not the process's (peaks are process-wide)
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.warmup_steps == 0:
             self._open(now)
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lit_accel.meters._allocator import AllocatorStats, CudaAllocatorStats
 from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory, lever_savings, memory_metrics
 from lit_accel.meters._memory_probe import SavedTensorProbe, Sized, size_tensors, state_tensors
 from lit_accel.utilities._compat import all_gather_flat
@@ -39,6 +40,8 @@ class MemoryMeter:
     Args:
         device: the device the loop runs on (CUDA: the allocator's peaks and counters are read too).
         world_size: ranks taking part (default: the process group's, 1 without one).
+        allocator: where the allocator's peaks and counters come from (default: the CUDA device's caching allocator
+            on a CUDA ``device``, none elsewhere). Peaks restart at construction and at every :meth:`reset`.
 
     Raises:
         TypeError, ValueError: a ``world_size`` that is not an int >= 1.
@@ -57,13 +60,20 @@ class MemoryMeter:
                 print(meter.compute(step))  # every rank calls compute(): it gathers
     """
 
-    def __init__(self, device: torch.device | str = "cpu", *, world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        world_size: int | None = None,
+        allocator: AllocatorStats | None = None,
+    ) -> None:
         check_int("MemoryMeter", "world_size", world_size, allow_none=True, example=8)
         self.device = torch.device(device)
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.world_size = world_size
         self.cuda = self.device.type == "cuda"
+        self.allocator = allocator if allocator is not None or not self.cuda else CudaAllocatorStats(self.device)
         #: ``{"step": index, **metrics}`` of every :meth:`compute`.
         self.history: list[dict[str, float]] = []
         #: Every rank's numbers at the last :meth:`compute`.
@@ -76,15 +86,15 @@ class MemoryMeter:
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything measured (a new fit): state, activations, history; CUDA counters restart from now."""
+        """Forget everything measured (a new fit): state, activations, history; allocator peaks and counters restart."""
         self.history, self.rows = [], []
         self._params, self._per_optimizer, self._activations = None, {}, None
         if self._probe is not None and self._probe.active:
             self._probe.stop()
         self._probe = None
-        if self.cuda:
-            stats = torch.cuda.memory_stats(self.device)
-            self._cuda_at_start = (float(stats.get("num_alloc_retries", 0)), float(stats.get("num_ooms", 0)))
+        if self.allocator is not None:
+            self.allocator.reset_peaks()  # else a second fit in this process reports the first one's peak
+            self._cuda_at_start = self.allocator.counters()
 
     # ------------------------------------------------------------------ state (at logging steps)
 
@@ -158,12 +168,10 @@ class MemoryMeter:
         if self._activations is not None:
             row.activations_measured = 1.0
             row.activations, row.param_casts = self._activations
-        if self.cuda:  # the caching allocator's host-side statistics: no device sync
-            stats = torch.cuda.memory_stats(self.device)
-            row.peak_allocated = float(torch.cuda.max_memory_allocated(self.device))
-            row.peak_reserved = float(torch.cuda.max_memory_reserved(self.device))
-            row.alloc_retries = float(stats.get("num_alloc_retries", 0)) - self._cuda_at_start[0]
-            row.ooms = float(stats.get("num_ooms", 0)) - self._cuda_at_start[1]
+        if self.allocator is not None:  # the caching allocator's host-side statistics: no device sync
+            row.peak_allocated, row.peak_reserved = self.allocator.peaks()
+            retries, ooms = self.allocator.counters()
+            row.alloc_retries, row.ooms = retries - self._cuda_at_start[0], ooms - self._cuda_at_start[1]
         return row
 
     def compute(self, step: int | None = None) -> dict[str, float]:
@@ -173,7 +181,7 @@ class MemoryMeter:
             step: the index recorded with the metrics in :attr:`history` (default: the number of calls so far).
         """
         self.rows = self._gather(self.local_row())
-        metrics = memory_metrics(self.rows, self.cuda)
+        metrics = memory_metrics(self.rows, self.allocator is not None)
         self.history.append({"step": len(self.history) if step is None else step, **metrics})
         return metrics
 
@@ -191,7 +199,7 @@ class MemoryMeter:
         """The last :meth:`compute`'s metrics and what each lever saved (``lever_savings``); empty before."""
         if not self.rows:
             return {}
-        return {**memory_metrics(self.rows, self.cuda), **lever_savings(self.rows)}
+        return {**memory_metrics(self.rows, self.allocator is not None), **lever_savings(self.rows)}
 
     def report(self) -> dict[str, Any]:
         """The JSON report: configuration, the summary, every rank's bytes by dtype, and every logged value."""

@@ -6,12 +6,12 @@ dequantized float8 values), keeping the fp32 parameters. This module adds what a
 
 * which layers convert: plain ``nn.Linear`` whose in/out features are multiples of 16 (what the FP8 GEMMs accept),
   minus a user filter checked against the model's module names; a report says why each other Linear was left out;
+  their input rows (batch x tokens) are padded to a multiple of 16 when a batch needs it (``RowPadding``);
 * where FP8 matmuls run: tensor cores on CUDA GPUs of compute capability >= 8.9, emulation elsewhere (a pure function,
   :func:`resolve_emulation`);
 * an exact revert to the original module objects, with unchanged ``state_dict`` keys and dtypes.
 
-Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes and measurements:
-``docs/precision.md`` (FP8).
+Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes: ``docs/precision.md`` (FP8).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.utils import parametrize
+
+from lit_accel.plugins._float8_padding import RowPadding
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -187,6 +189,7 @@ class Float8Conversion:
             )
         #: What the last :meth:`apply` did (None before).
         self.report: Float8Report | None = None
+        self._padding = RowPadding()
 
     def emulation_for(self, device: torch.device | str) -> bool:
         """Whether :meth:`apply` would emulate on ``device`` (raises as :func:`resolve_emulation` does)."""
@@ -243,6 +246,8 @@ class Float8Conversion:
             return out
 
         model = convert(model)
+        if not config.pad_inner_dim:  # (torchao pads every GEMM's inner dimension itself then)
+            self._padding.install([memo[key] for key in eligible])
         self.report = report
         rank_zero_info(report.message)
         return model
@@ -258,6 +263,7 @@ class Float8Conversion:
         Returns:
             The model with its original Linear layers.
         """
+        self._padding.remove()
         memo: dict[int, nn.Module] = {}
 
         def revert(module: nn.Module) -> nn.Module:

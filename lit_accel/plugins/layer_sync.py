@@ -36,6 +36,10 @@ _Implementation = Literal["auto", "portable", "torch"]
 _ORIGINAL = "_lit_accel_original"
 # The device a process-group backend carries tensors on; gloo, mpi and ucc carry CPU tensors.
 _BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+#: What ``"auto"`` picks on CUDA with NCCL: lit_accel's layer (no host sync; torch's forward syncs once per layer on
+#: a boolean mask, and both use the fused CUDA backward kernels) until a measurement says otherwise:
+#: ``benchmarks/gpu_check.py --checks syncbn`` times both and its "auto" row says which one to put here.
+AUTO_ON_CUDA_NCCL: Literal["portable", "torch"] = "portable"
 
 
 def count_batchnorm_layers(model: Module) -> int:
@@ -65,8 +69,8 @@ class AccelSyncBatchNorm(LayerSync):
             communication). Must divide the world size (checked in :meth:`apply`).
         implementation: ``"portable"`` always uses :class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm` (one
             all-reduce per forward and per backward, any backend); ``"torch"`` uses ``torch.nn.SyncBatchNorm``
-            (fused kernels, CUDA/XPU/HPU only); ``"auto"`` (default) picks torch's when the layers will run on CUDA
-            with the NCCL backend and the portable one otherwise. Both give the same result there; torch's is faster.
+            (CUDA/XPU/HPU only; a host sync per layer in its forward); ``"auto"`` (default) picks the portable one
+            unless a measurement on CUDA with NCCL found torch's faster (``AUTO_ON_CUDA_NCCL``). Same result.
 
     Raises:
         TypeError: ``group_size`` is not an int or None.
@@ -184,7 +188,7 @@ class AccelSyncBatchNorm(LayerSync):
                     " implementation='portable' (or 'auto'), which runs on every backend."
                 )
             return "torch"
-        return "torch" if device == "cuda" and "nccl" in backend else "portable"
+        return AUTO_ON_CUDA_NCCL if device == "cuda" and "nccl" in backend else "portable"
 
     def _convert(self, module: Module, memo: dict[int, Module]) -> Module:
         if id(module) in memo:  # a layer shared at several places stays shared

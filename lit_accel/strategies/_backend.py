@@ -4,15 +4,18 @@ torch takes a backend name in any case (``"gloo"``, ``"NCCL"``), a ``"device:bac
 the usual spec for GPU jobs that also run CPU collectives) and backends registered by plugins, possibly after the
 strategy was built. So only the shape is checked at construction; the names are resolved at setup, when every
 registration has happened, and a backend that cannot carry the rank's device (nccl on a CPU) is refused before the
-process group starts.
+process group starts. A rank that also runs collectives on CPU tensors (``AccelFSDP(cpu_offload=True)``: clipping
+and the loss scaler's found-inf reduce the offloaded CPU gradients) on a CUDA device gets a CPU backend beside NCCL,
+as torchtitan does when it offloads: NCCL alone carries no CPU tensor and would fail at the first optimizer step.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-__all__ = ["backend_for_device", "check_backend_spec"]
+__all__ = ["backend_for_device", "check_backend_spec", "resolve_backend"]
 
 
 def _pairs(spec: str) -> dict[str, str] | None:
@@ -74,3 +77,38 @@ def backend_for_device(owner: str, spec: str, device: torch.device) -> str:
             f" '{device.type}:gloo'."
         )
     return backend
+
+
+def _carries(spec: str, device_type: str) -> bool:
+    pairs = _pairs(spec)
+    if pairs is not None:
+        return device_type in pairs
+    name = spec.strip().lower()
+    return device_type in dist.Backend.backend_capability.get(name, [])
+
+
+def resolve_backend(owner: str, spec: str | None, device: torch.device, *, cpu_collectives: bool = False) -> str | None:
+    """The ``process_group_backend`` to start with: ``spec`` validated, extended with ``cpu:gloo`` where it must be.
+
+    ``cpu_collectives`` says that this rank also reduces CPU tensors. On a non-CPU device whose backend (``spec``, or
+    torch's default for the device when None) carries no CPU tensor, the answer is ``"<device>:<backend>,cpu:gloo"``,
+    said once on rank zero; otherwise ``spec`` unchanged (None: Lightning's default for the device).
+
+    Raises:
+        ValueError: as :func:`backend_for_device`.
+    """
+    if spec is not None:
+        backend_for_device(owner, spec, device)
+    if not cpu_collectives or device.type == "cpu":
+        return spec
+    current = spec if spec is not None else dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    if _carries(current, "cpu"):
+        return spec
+    pairs = _pairs(current) or {device.type: current.strip().lower()}
+    resolved = ",".join(f"{device_type}:{backend}" for device_type, backend in {**pairs, "cpu": "gloo"}.items())
+    rank_zero_info(
+        f"{owner}: process_group_backend={resolved!r} (was {spec!r}): the CPU-offloaded gradients are clipped and"
+        " checked for inf/NaN with CPU collectives, which need a CPU backend beside"
+        f" {current!r}. Pass process_group_backend with a 'cpu:' entry to choose another."
+    )
+    return resolved

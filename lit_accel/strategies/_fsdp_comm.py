@@ -19,11 +19,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from lit_accel.strategies._comm_stats import HookCommStats
 from lit_accel.utilities._compat import fsdp_comm_base_classes
 from lit_accel.utilities._timing import IntervalTimer
+from lit_accel.utilities._torch_fallbacks import all_gather_single, reduce_scatter_single
 
 if TYPE_CHECKING:
     from torch import nn
@@ -128,7 +128,7 @@ class _CountingAllGather(_AllGather):  # type: ignore[misc, valid-type]
             self.ledger.before(self, output_tensor, input_tensor, group)
         self.stats._count("all_gather", output_tensor.numel() * output_tensor.element_size())
         start = self.stats._start(output_tensor.device)
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         if self.ledger is not None:
             self.ledger.after()
         return self.stats._timed(work, start, "all_gather")
@@ -148,9 +148,7 @@ class _CountingReduceScatter(_ReduceScatter):  # type: ignore[misc, valid-type]
             self.ledger.before(self, output_tensor, input_tensor, group, op)
         self.stats._count("reduce_scatter", input_tensor.numel() * input_tensor.element_size())
         start = self.stats._start(input_tensor.device)
-        work = dist.reduce_scatter_single(
-            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
-        )
+        work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         if self.ledger is not None:
             self.ledger.after()
         return self.stats._timed(work, start, "reduce_scatter")

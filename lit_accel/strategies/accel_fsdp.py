@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies import _fsdp_sharding as sharding
-from lit_accel.strategies._backend import backend_for_device, check_backend_spec
+from lit_accel.strategies._backend import check_backend_spec, resolve_backend
 from lit_accel.strategies._fsdp_comm import FSDPCommStats, install_counting_comms
 from lit_accel.strategies._fsdp_recovery import CollectiveLedger
 from lit_accel.strategies.parts import AccelParts
@@ -201,8 +201,9 @@ class AccelFSDP(AccelParts, _RootCalls):
 
     @override
     def setup_environment(self) -> None:
-        if self._process_group_backend is not None:
-            backend_for_device(type(self).__name__, self._process_group_backend, self.root_device)
+        self._process_group_backend = resolve_backend(
+            type(self).__name__, self._process_group_backend, self.root_device, cpu_collectives=self.cpu_offload
+        )
         # One data-parallel dimension over every rank (Lightning's "auto" would be one rank per node).
         _compat.set_model_parallel_sizes(self, self.num_nodes * self.num_processes, 1)
         super().setup_environment()

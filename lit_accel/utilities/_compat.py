@@ -385,10 +385,7 @@ def current_graph_task_id() -> int:
 
 
 def all_gather_flat(output: torch.Tensor, local: torch.Tensor) -> None:
-    """Gather every rank's ``local`` into ``output`` in rank order (``all_gather_single`` where torch has it).
+    """Gather every rank's ``local`` into ``output`` in rank order; blocking, on the default group."""
+    from lit_accel.utilities._torch_fallbacks import all_gather_single
 
-    torch 2.14 deprecated ``all_gather_into_tensor`` for ``all_gather_single`` (same arguments); older torch has only
-    the first. Blocking, on the default group.
-    """
-    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-    gather(output, local)
+    all_gather_single(output, local)

@@ -15,6 +15,7 @@ import lit_accel.plugins.sync_batchnorm as sbn
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, count_batchnorm_layers
 from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
 from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
+from tests.helpers.torch_features import batchnorm
 from tests.plugins.test_sync_batchnorm import check_joint_batch_equivalence
 
 
@@ -33,7 +34,7 @@ class Net(nn.Module):
         shared = nn.BatchNorm1d(4)
         self.body = nn.Sequential(nn.Conv2d(2, 4, 1), TaggedBatchNorm(4), nn.ReLU())
         self.bn3d = nn.BatchNorm3d(2, momentum=None)
-        self.no_bias = nn.BatchNorm1d(4, bias=False)
+        self.no_bias = batchnorm(nn.BatchNorm1d, 4, bias=False)
         self.shared_a, self.shared_b = shared, shared
         self.already = SyncBatchNorm(4)
         self.head = nn.Linear(4, 3)

@@ -15,6 +15,7 @@ from torch import nn
 import lit_accel.plugins.sync_batchnorm as sbn
 from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
 from tests.helpers import run_distributed
+from tests.helpers.torch_features import batchnorm
 
 _BN_BY_NDIM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
@@ -71,8 +72,13 @@ def check_joint_batch_equivalence(
     glo, ghi = offsets[group_ranks[0]], offsets[group_ranks[-1] + 1]
     gen = torch.Generator().manual_seed(seed)
 
-    ref = _BN_BY_NDIM[len(feature_shape) + 1](
-        num_channels, momentum=momentum, affine=affine, track_running_stats=track, bias=bias
+    ref = batchnorm(
+        _BN_BY_NDIM[len(feature_shape) + 1],
+        num_channels,
+        momentum=momentum,
+        affine=affine,
+        track_running_stats=track,
+        bias=bias,
     )
     if affine:
         with torch.no_grad():

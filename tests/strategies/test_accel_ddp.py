@@ -33,6 +33,7 @@ from tests.helpers import (
     run_distributed,
     small_trainer_kwargs,
 )
+from tests.helpers.torch_features import DDP_PASS_THROUGH
 
 ATOL = 1e-5
 
@@ -85,7 +86,7 @@ def _two_arg_lambda(state, bucket):
             ValueError,
             r"ddp_comm_hook=..., comm_hook=...\): two values for the same argument",
         ),
-        ({"bucket_size": 3}, TypeError, r"unknown argument\(s\) \['bucket_size'\].*forward_sync_buffers"),
+        ({"bucket_size": 3}, TypeError, r"unknown argument\(s\) \['bucket_size'\].*static_graph"),
     ],
 )
 def test_bad_arguments_raise_at_construction_naming_the_value(kwargs, error, pattern):
@@ -95,8 +96,9 @@ def test_bad_arguments_raise_at_construction_naming_the_value(kwargs, error, pat
 
 def test_good_arguments_reach_distributed_data_parallel():
     powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=5)
-    strategy = AccelDDP(comm_hook="powersgd", comm_state=powersgd, bucket_cap_mb=10, forward_sync_buffers=False)
-    assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "forward_sync_buffers": False, "bucket_cap_mb": 10}
+    extra = {DDP_PASS_THROUGH: False}  # passes through to DistributedDataParallel
+    strategy = AccelDDP(comm_hook="powersgd", comm_state=powersgd, bucket_cap_mb=10, **extra)
+    assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, **extra, "bucket_cap_mb": 10}
     assert isinstance(strategy.comm_stats, HookCommStats) and strategy.comm_stats.calls == 0
     assert strategy.global_batch_size is None and strategy.micro_batch_size is None
     assert AccelDDP(global_batch_size=64).global_batch_size == 64

@@ -16,8 +16,15 @@ import torch
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision
 from lit_accel.strategies._fsdp_comm import _CountingReduceScatter
+from lit_accel.utilities._compat import fsdp_can_reset_iteration
 from tests.helpers import BNModel, run_distributed
 from tests.strategies.test_micro_batching import _capped, _close, _fit, _reference, _run_capped
+
+# AccelFSDP refuses "auto" where FSDP2 cannot reset a failed iteration (torch < 2.13; tested in
+# test_fsdp_auto_is_refused_where_fsdp_cannot_reset_an_iteration below).
+_NEEDS_RESET = pytest.mark.skipif(
+    not fsdp_can_reset_iteration(), reason="needs FSDPModule.reset_iter_state (torch >= 2.13)"
+)
 
 
 class _FailInsideReduceScatter(pl.Callback):
@@ -128,6 +135,7 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[key] - b[key]).abs().max().item() for key in a)
 
 
+@_NEEDS_RESET
 def test_fsdp_recovers_from_out_of_memory_in_forward_and_backward_on_every_rank_at_the_same_step():
     reference = _reference(24, 5)
     for rank, runs in enumerate(run_distributed(_fsdp_recovery, 2, init_process_group=False, timeout=300)):
@@ -148,6 +156,7 @@ def test_fsdp_recovers_from_out_of_memory_in_forward_and_backward_on_every_rank_
     _close(runs["auto"]["state"], reference)
 
 
+@_NEEDS_RESET
 @pytest.mark.slow
 def test_fsdp_auto_finds_the_largest_micro_batch_that_fits_under_a_real_memory_cap(tmp_path):
     fsdp = ("--strategy", "fsdp")
@@ -168,6 +177,7 @@ def test_fsdp_auto_finds_the_largest_micro_batch_that_fits_under_a_real_memory_c
         assert torch.allclose(tight["state"][key], joint["state"][key], atol=1e-5), key
 
 
+@_NEEDS_RESET
 @pytest.mark.slow
 @pytest.mark.parametrize("budget_mb", [26, 30])
 def test_fsdp_auto_under_a_cap_near_the_smallest_never_hangs(tmp_path, budget_mb):
@@ -185,3 +195,13 @@ def test_fsdp_auto_under_a_cap_near_the_smallest_never_hangs(tmp_path, budget_mb
     else:
         reasons = ("a single sample per micro-batch does not fit", "out of memory again while making the")
         assert any(reason in done.stderr for reason in reasons), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(fsdp_can_reset_iteration(), reason="this torch's FSDP2 resets a failed iteration: no refusal")
+def test_fsdp_auto_is_refused_where_fsdp_cannot_reset_an_iteration():
+    from tests.helpers import make_dataset, make_loader, small_trainer_kwargs
+
+    strategy = AccelFSDP(global_batch_size=8, micro_batch_size="auto", sync_batchnorm=False, hang_timeout=None)
+    trainer = pl.Trainer(**small_trainer_kwargs(strategy=strategy))
+    with pytest.raises(ValueError, match=r"micro_batch_size='auto'\) needs FSDPModule.reset_iter_state.*Fix"):
+        trainer.fit(BNModel(batchnorm=False), make_loader(make_dataset(16), 8))
