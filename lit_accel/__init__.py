@@ -42,6 +42,9 @@ from lit_accel.protocols import (
 )
 from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParts
 from lit_accel.strategies.batch_plan import BatchPlan
+from lit_accel.utilities._warnings import install as _install_warning_format
+
+_install_warning_format()  # our warnings on one line, without the source line (utilities/_warnings.py)
 
 __all__ = [
     "AccelDDP",
