@@ -51,12 +51,14 @@ def plots_available() -> bool:
 def _figure(rows: int, title: str) -> tuple[Figure, list[Axes]]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(9.0, 3.0 * rows), layout="constrained")
     FigureCanvasAgg(figure)
     axes = list(figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0])
     figure.suptitle(title)
     axes[-1].set_xlabel("optimizer step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 9.25
     return figure, axes
 
 
