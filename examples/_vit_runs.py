@@ -3,9 +3,9 @@
 A run lives in ``<output>/<YYYYmmdd-HHMMSS>-<model>-<img_size>`` (or ``<output>/<experiment>``), with ``-1``, ``-2``
 ... added when that folder exists, so a second run never touches the first. ``--resume PATH`` continues the run a
 checkpoint belongs to, in its own folder; ``--resume last`` takes the run under ``--output`` whose
-``checkpoints/last.ckpt`` was written last. The processes of one multi-process run agree on the folder: rank 0 creates it and hands
-its path to the processes Lightning starts through :data:`RUN_DIR_ENV` (torchrun's ranks other than 0 write nothing
-there before the checkpoint callback's broadcast).
+``checkpoints/last.ckpt`` was written last. The processes of one multi-process run agree on the folder: rank 0
+creates it and hands its path to the processes Lightning starts through :data:`RUN_DIR_ENV` (torchrun's ranks other
+than 0 write nothing there; the checkpoint callback broadcasts rank 0's folder).
 """
 
 from __future__ import annotations
