@@ -37,15 +37,23 @@ Commands::
     python examples/vit.py --devices 8 --strategy ddp --precision 32-true
     # the same case study as a LightningCLI program, every setting in one YAML file (see examples/vit_cli.py)
     python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml
+    # stop after 30 optimizer steps, then continue the same run (its folder, settings and schedule) to step 60
+    python examples/vit.py --max-steps 30
+    python examples/vit.py --resume last --max-steps 60
 
-Settings come from the flags, over an optional ``--config`` YAML file (keys are the flags' names), over defaults that
-depend on the data: the digits preset (``vit_digits``, 16 px, 32 images per optimizer step, 30 epochs, lr 2e-3) or the
-seed's recipe for ``synthetic`` and ImageFolder data. Everything a run produces goes to ``--output-dir`` (default
-``runs/vit``): ``config.yaml`` (the resolved settings, reusable with ``--config``), ``metrics.csv`` (CSVLogger),
-``checkpoints/last.ckpt``, ``efficiency.json`` and ``memory.json`` (the monitors' reports, each with a ``.png``
-beside it; ``loss_scale.json`` too under ``16-mixed``) and ``results.json`` (the final table).
-Configuration errors (unknown model, missing data, a global batch that does not divide) end with one ``error:`` line
-and exit status 2.
+Settings come from the flags (timm ``train.py``'s names, or this script's earlier ones), over an optional ``--config``
+YAML file (keys are the flags' names), over defaults that depend on the data: the digits preset (``vit_digits``, 16 px,
+32 images per optimizer step, 30 epochs, lr 2e-3) or the seed's recipe for ``synthetic`` and ImageFolder data.
+
+Each run gets a folder of its own under ``--output`` (default ``runs/vit``), named ``<date>-<time>-<model>-<img size>``
+or ``--experiment``, never reused (``_vit_runs.py``): ``config.yaml`` (the resolved settings, reusable with
+``--config``), ``metrics.csv`` (CSVLogger), ``checkpoints/best.ckpt`` and ``checkpoints/last.ckpt``,
+``training.png``/``training.json`` (loss, validation accuracy and LR; ``_vit_report.py``), ``efficiency.json`` and
+``memory.json`` (the monitors' reports, each with a ``.png`` beside it; ``loss_scale.json`` too under ``16-mixed``) and
+``results.json`` (the final table). The console shows one line per epoch. ``--resume`` continues a run exactly in its
+folder (a resumed part logs to ``resumed-N/metrics.csv`` there). ``--max-steps`` stops a run early without shortening
+its LR schedule, which spans ``--epochs``. Configuration errors (unknown model, missing data, a global batch that does
+not divide) end with one ``error:`` line and exit status 2, before any process starts.
 """
 
 from __future__ import annotations
@@ -285,25 +293,26 @@ _PER_INVOCATION = ("config", "resume", "max_steps", "output", "experiment")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse the command line over ``--config`` (over a resumed run's ``config.yaml``), then fill the defaults."""
+    """Parse the command line over ``--config`` over a resumed run's ``config.yaml``, then fill the defaults."""
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
-    for flags, default in ((("--config",), None), (("--resume",), None), (("--output", "--output-dir"), "runs/vit")):
-        pre.add_argument(*flags, dest=flags[0].lstrip("-"), default=default)
+    for flags in (("--config",), ("--resume",), ("--output", "--output-dir")):
+        pre.add_argument(*flags, dest=flags[0].lstrip("-"), default=None)
     known, _ = pre.parse_known_args(argv)
-    aliases = _config_keys(parser)
+    keys = _config_keys(parser)
+    config = _load_config(known.config, keys) if known.config is not None else {}
     checkpoint, run_dir = None, None
     if known.resume is not None:
+        output = Path(known.output or config.get("output") or parser.get_default("output"))
         try:
-            checkpoint = find_checkpoint(known.resume, Path(known.output))
+            checkpoint = find_checkpoint(known.resume, output)
         except ValueError as err:
             raise UsageError(str(err)) from None
         run_dir = run_dir_of(checkpoint)
-        if run_dir is not None:
-            saved = _load_config(str(run_dir / CONFIG_NAME), aliases)
+        if run_dir is not None:  # the run's own settings, below --config and the flags
+            saved = _load_config(str(run_dir / CONFIG_NAME), keys)
             parser.set_defaults(**{k: v for k, v in saved.items() if k not in _PER_INVOCATION})
-    if known.config is not None:
-        parser.set_defaults(**_load_config(known.config, aliases))
+    parser.set_defaults(**config)
     args = parser.parse_args(argv)
     args.resume = None if checkpoint is None else str(checkpoint)
     args.run_dir = None if run_dir is None else str(run_dir)

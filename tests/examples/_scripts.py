@@ -37,7 +37,7 @@ UPSTREAM_LINES = (
     r"distributed_backend=gloo",
     r"All distributed processes registered\. Starting with \d+ processes",
     r"Loading `train_dataloader` to estimate number of stepping batches\.",  # the LR schedule's length
-    r"`Trainer\.fit` stopped: `max_steps=\d+` reached\.",
+    r"`Trainer\.fit` stopped: `max_(steps|epochs)=\d+` reached\.",
     r"Restoring states from the checkpoint path at .*",
     r"Restored all states from the checkpoint at .*",
     # Lightning 2.6.6 on torch 2.14 (lightning/pytorch/utilities/_pytree.py), once per process
