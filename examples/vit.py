@@ -685,7 +685,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.resume:  # continuing in the run's own folder: its checkpoints are expected there
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=args.resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=args.resume, weights_only=True)
     fit_seconds = time.perf_counter() - start
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
     if module.last_val_step != trainer.global_step or "val/acc" not in metrics:
