@@ -19,11 +19,16 @@ Commands::
     # the resolved configuration, without training
     python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml --print_config
 
-Everything goes to ``--output_dir`` (default ``runs/vit_cli``): ``config.yaml``, ``metrics.csv``, ``checkpoints/`` and
-``efficiency.json`` (the ``EfficiencyMonitor``, configured under the YAML's ``efficiency:`` key). Give the strategy in
-the YAML or as ``--trainer.strategy=accel_ddp``; ``--trainer.strategy=lit_accel.AccelDDP`` alone is read as a strategy
-*name* by Lightning (Lightning #19682), and repeated after a config that sets the strategy it starts over from the
-class defaults: override single arguments with ``--trainer.strategy.global_batch_size=64`` instead.
+Everything goes to ``--output_dir`` (default ``runs/vit_cli``): ``config.yaml``, ``metrics.csv``, ``checkpoints/``,
+``efficiency.json`` (the ``EfficiencyMonitor``, configured under the YAML's ``efficiency:`` key) and ``training.png``
+with its data ``training.json`` (``vit.py``'s ``TrainingReport``, under ``report:``, which also prints a line per
+epoch). ``--trainer.max_steps`` validates the weights it stops at inside fit (``StopAtStep``, under ``stop:``). A
+``global_batch_size`` that the data's batch size and the devices cannot make is reported before any process starts.
+
+Give the strategy in the YAML or as ``--trainer.strategy=accel_ddp``; ``--trainer.strategy=lit_accel.AccelDDP``
+alone is read as a strategy *name* by Lightning (Lightning #19682), and repeated after a config that sets the strategy
+it starts over from the class defaults: override single arguments with ``--trainer.strategy.global_batch_size=64``
+instead.
 """
 
 from __future__ import annotations

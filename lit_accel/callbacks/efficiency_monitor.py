@@ -302,6 +302,8 @@ class EfficiencyMonitor(Callback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             peak_entry=self._peaks.entry,
             peak_reason=self._peaks.reason,
+            # why the comm figures are absent, when the strategy counts no collectives (e.g. Lightning's DDPStrategy)
+            comm_note=comm_note(type(trainer.strategy).__name__, trainer.world_size, meter.comm_stats is not None),
         )
         if not trainer.is_global_zero:
             return
@@ -313,5 +315,4 @@ class EfficiencyMonitor(Callback):
         if self.print_summary:
             from rich.console import Console
 
-            note = comm_note(type(trainer.strategy).__name__, trainer.world_size, self.meter.comm_stats is not None)
-            Console().print(efficiency_table(self.summary, title, peaks_caption(config), note))
+            Console().print(efficiency_table(self.summary, title, peaks_caption(config), config["comm_note"]))
