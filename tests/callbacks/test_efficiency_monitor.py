@@ -129,6 +129,7 @@ def test_window_arithmetic_under_accumulation_4_is_exact(tmp_path):
         "accumulate_grad_batches": 4,
         "baseline_samples_per_sec": None,
         "straggler_threshold": 0.2,
+        "comm_note": None,  # one process: no communication to explain
     }
     assert [w["step"] for w in report["windows"]] == [1, 2]
 
