@@ -268,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--resume",
         default=None,
-        help="continue a run: a checkpoint, a run folder (its last.ckpt) or 'last' (the newest run under --output); "
-        "its config.yaml gives the settings, flags override them",
+        help="continue a run: a checkpoint, a run folder (its last.ckpt) or 'last' (the run under --output that saved "
+        "last); its config.yaml gives the settings, flags override them",
     )
     group.add_argument(
         "--log-interval",
