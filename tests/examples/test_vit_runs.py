@@ -77,6 +77,8 @@ def _check_resume(vit, output: Path, first: int, total: int, extra: list[str]) -
     for mine, theirs in states:
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
     assert resumed["lr_schedulers"] == reference["lr_schedulers"]
+    # the precision plugin's state: the fp16 loss scale and its growth tracker, the skip counters (fp32: the guard's)
+    assert resumed["AccelPrecision"] == reference["AccelPrecision"]
     # the curves continue the interrupted run's: its history came back from the checkpoint
     history = json.loads((interrupted / "training.json").read_text())
     assert history["steps"] == json.loads((uninterrupted / "training.json").read_text())["steps"]
@@ -127,6 +129,12 @@ def _training_figure():
     finally:
         sys.path.remove(str(REPO / "examples"))
     return training_figure
+
+
+@pytest.mark.slow
+def test_an_fp16_run_resumes_with_its_loss_scale(vit, tmp_path):
+    # CPU fp16 is emulated (slow): the loss scale's growth tracker and scale continue from the checkpoint.
+    _check_resume(vit, tmp_path, 5, 10, ["--img-size", "8", "--precision", "16-mixed", "--log-interval", "5"])
 
 
 @pytest.mark.slow
