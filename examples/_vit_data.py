@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 __all__ = [
     "DIGITS_SPLIT_SEED",
     "DataSpec",
     "ImageDataModule",
+    "ResumableLoader",
     "SyntheticImages",
     "check_image_folder",
     "digits_datasets",
@@ -174,33 +176,108 @@ def folder_datasets(root: str | Path, pretrained_cfg: dict[str, Any], img_size: 
     )
 
 
+class _SkippingSampler(DistributedSampler):
+    """A ``DistributedSampler`` whose next pass leaves out its first ``skip`` indices (a resumed epoch's done part)."""
+
+    skip = 0
+
+    def __iter__(self) -> Any:
+        indices = list(super().__iter__())[self.skip :]
+        self.skip = 0
+        return iter(indices)
+
+
+class ResumableLoader(DataLoader):
+    """The training loader: shuffled per epoch from a seed, sharded over the ranks, and resumable part-way.
+
+    Its sampler is a ``DistributedSampler`` (one replica without a process group), so the order depends on the seed
+    and the epoch only: an interrupted run and an uninterrupted one see the same batches. Lightning saves a loader's
+    ``state_dict()`` in each checkpoint and hands it back to ``load_state_dict()`` when a fit resumes mid-epoch
+    (its stateful-loader protocol); the state is the epoch and the batches already yielded in it, and the resumed
+    epoch starts after them without loading them.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, seed: int, **kwargs: Any) -> None:
+        replicas = {} if dist.is_available() and dist.is_initialized() else {"num_replicas": 1, "rank": 0}
+        sampler = _SkippingSampler(dataset, shuffle=True, seed=seed, **replicas)
+        # drop_last: equal-sized training micro-batches, so the accumulated gradient has a fixed scale.
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
+        self._position = (0, 0)  # (epoch, batches yielded in it)
+        self._resume: tuple[int, int] | None = None
+
+    def __iter__(self) -> Any:
+        # A generator: this body runs at the first batch, after Lightning has set the sampler's epoch.
+        sampler = self.sampler
+        assert isinstance(sampler, _SkippingSampler)
+        epoch = sampler.epoch
+        skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        self._resume = None
+        sampler.skip = skip * (self.batch_size or 1)
+        self._position = (epoch, skip)
+        for batch in super().__iter__():
+            self._position = (epoch, self._position[1] + 1)
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, batches = self._position
+        return {"epoch": epoch, "batches": batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (int(state["epoch"]), int(state["batches"]))
+
+
 class ImageDataModule(LightningDataModule):
     """The two loaders over a :class:`DataSpec`.
 
-    Lightning wraps both loaders in a ``DistributedSampler`` under any distributed strategy, shuffling the training
-    set each epoch and sharding the validation set without shuffling.
+    Training uses a :class:`ResumableLoader` (shuffled from ``seed``, sharded, resumable mid-epoch); Lightning wraps
+    the validation loader in a ``DistributedSampler`` under any distributed strategy (sharded, not shuffled).
+
+    The training loader's position also travels in the datamodule's own checkpoint entry: Lightning drops a loader's
+    saved state when ``configure_optimizers`` read ``trainer.estimated_stepping_batches`` (Lightning #20550: the
+    loader is built before the checkpoint is restored), and the LR schedule here does read it.
     """
 
-    def __init__(self, spec: DataSpec, batch_size: int, num_workers: int, pin_memory: bool) -> None:
+    def __init__(self, spec: DataSpec, batch_size: int, num_workers: int, pin_memory: bool, seed: int = 0) -> None:
         super().__init__()
         self.spec = spec
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
+        self.seed = seed
+        self._train_loader: ResumableLoader | None = None
+        self._train_position: dict[str, int] | None = None  # from a checkpoint, for the next training loader
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
+    def train_dataloader(self) -> DataLoader:
+        self._train_loader = ResumableLoader(
+            self.spec.train,
+            self.batch_size,
+            self.seed,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
-            drop_last=shuffle,  # equal-sized training micro-batches: the accumulated gradient has a fixed scale
         )
+        if self._train_position is not None:
+            self._train_loader.load_state_dict(self._train_position)
+            self._train_position = None
+        return self._train_loader
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.spec.train, shuffle=True)
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self._train_loader is None else {"train_loader": self._train_loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        position = state_dict.get("train_loader")
+        if position is None:
+            return
+        if self._train_loader is not None:  # restored after the strategy's setup built the loader (FSDP)
+            self._train_loader.load_state_dict(position)
+        else:
+            self._train_position = position
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.spec.val, shuffle=False)
+        return DataLoader(
+            self.spec.val,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )

@@ -23,8 +23,9 @@ Commands::
     # the same under torchrun (Fabric joins its processes)
     torchrun --nproc_per_node=2 examples/fabric_loop.py --accelerator cpu --devices 2
 
-Rank 0 prints one ``metrics {json}`` line per logging step and ``summary {json}`` at the end (what
-``tests/examples/test_fabric_loop.py`` reads), then the table. The data are scikit-learn's 1,797 handwritten digits
+Rank 0 prints one line per logging step (throughput, step time, data wait, loss scale, and the steps the scaler
+skipped, by number), then the table; ``--json`` adds each step's figures as ``metrics {json}`` and ``summary {json}``
+at the end (what ``tests/examples/test_fabric_loop.py`` reads). The data are scikit-learn's 1,797 handwritten digits
 (8x8, no download), classified by a small MLP.
 """
 
@@ -44,7 +45,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_accel import DynamicGradScaler, EfficiencyMeter, LossScaleMeter
-from lit_accel.meters.tables import efficiency_table
+from lit_accel.meters.tables import comm_note, efficiency_table
+from lit_accel.utilities._units import format_count, format_percent, format_seconds
 
 PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 
@@ -76,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         action="append",
         default=[],
-        help="make rank 1's loss infinite at this optimizer step (repeatable): the step is skipped on every rank",
+        help="make rank 1's loss infinite in this optimizer step (counted from 1, as printed; repeatable): the step is "
+        "skipped on every rank",
     )
 
     group = parser.add_argument_group("metering")
     group.add_argument("--log-every", type=int, default=10, help="print the meters every this many optimizer steps")
+    group.add_argument(
+        "--json", action="store_true", help="also print each logging step's figures as 'metrics {json}', and 'summary'"
+    )
     group.add_argument("--warmup-steps", type=int, default=3, help="optimizer steps the efficiency meter ignores")
     group.add_argument("--peak-flops", type=float, default=None, help="dense peak FLOP/s of one device, for MFU")
     return parser
@@ -152,6 +158,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         plugin.scaler.to(fabric.device)  # place the scale and counters now, so the meter can read them before step 1
     scale.attach(fabric.strategy.precision)  # Fabric's MixedPrecision: its DynamicGradScaler's own counters
     overflow_steps = set(args.overflow_at_step)
+    skips = SkippedSteps(plugin.scaler if plugin is not None else None)
 
     step, batches = 0, iter(loader)
     while step < args.steps:
@@ -162,7 +169,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             continue
         meter.batch_start(len(images))
         loss = F.cross_entropy(model(images), labels)
-        if step in overflow_steps and fabric.global_rank == 1:
+        if step + 1 in overflow_steps and fabric.global_rank == 1:  # steps count from 1, as printed
             loss = loss * float("inf")  # one rank's overflow reaches every rank through the gradient all-reduce
         meter.forward_end()
         fabric.backward(loss)  # scaled by the DynamicGradScaler
@@ -171,14 +178,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         meter.batch_end(stepped=True)
         scale.step()
         step += 1
+        skips.after_step(step)
         if step % args.log_every == 0 or step == args.steps:
             # every rank computes (the efficiency meter gathers one small vector); rank 0 prints
             figures = _prefixed(meter.compute(step=step, final=step == args.steps), scale.compute(step))
+            skipped = skips.read()  # one host read per logging step, not per step
             if fabric.is_global_zero:
-                print("metrics " + json.dumps({"step": step, "loss": float(loss.detach()), **figures}), flush=True)
+                print(step_line(step, args.steps, float(loss.detach()), figures, skipped), flush=True)
+                if args.json:
+                    print("metrics " + json.dumps({"step": step, "loss": float(loss.detach()), **figures}), flush=True)
 
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    checksums = fabric.all_gather(torch.tensor(checksum, dtype=torch.float64, device=fabric.device))
+    # torch's own all-gather: Fabric's all_gather goes through a helper torch 2.14 deprecates, and would say so
+    local = torch.tensor([checksum], dtype=torch.float64, device=fabric.device)
+    checksums = torch.empty(fabric.world_size, dtype=torch.float64, device=fabric.device)
+    if fabric.world_size > 1:
+        torch.distributed.all_gather_into_tensor(checksums, local)
+    else:
+        checksums = local
     summary = {
         **_prefixed(meter.summary(), scale.summary()),
         "world_size": fabric.world_size,
@@ -187,12 +204,55 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "param_checksums": [float(c) for c in checksums.reshape(-1)],
     }
     if fabric.is_global_zero:
-        print("summary " + json.dumps(summary), flush=True)
+        if args.json:
+            print("summary " + json.dumps(summary), flush=True)
         from rich.console import Console
 
         title = f"EfficiencyMeter: {fabric.device.type} x{fabric.world_size}, {args.precision}"
-        Console(width=100).print(efficiency_table(meter.summary(), title))
+        note = comm_note(f"Fabric's {type(fabric.strategy).__name__}", fabric.world_size, has_comm_stats=False)
+        Console(width=100).print(efficiency_table(meter.summary(), title, comm_note=note))
     return summary
+
+
+class SkippedSteps:
+    """Which optimizer steps the scaler skipped, read once per logging step (the counter stays on the device)."""
+
+    def __init__(self, scaler: DynamicGradScaler | None) -> None:
+        self.scaler = scaler
+        self._counts: list[torch.Tensor] = []  # the cumulative skipped-steps counter after each step of the window
+        self._steps: list[int] = []
+        self._before = 0
+
+    def after_step(self, step: int) -> None:
+        if self.scaler is not None:
+            self._counts.append(self.scaler.counter("skipped_steps").clone())  # a device copy: no host sync
+            self._steps.append(step)
+
+    def read(self) -> list[int]:
+        """The steps skipped since the last read (1-based, as printed)."""
+        if not self._counts:
+            return []
+        counts = [int(c) for c in torch.stack(self._counts).tolist()]
+        skipped = [s for s, before, now in zip(self._steps, [self._before, *counts], counts) if now > before]
+        self._before, self._counts, self._steps = counts[-1], [], []
+        return skipped
+
+
+def step_line(step: int, steps: int, loss: float, figures: dict[str, float], skipped: list[int]) -> str:
+    """One logging step for people: ``step 10/40 | loss 0.4123 | 4,512 samples/s | ... | skipped step 6``."""
+    parts = [f"step {step:>{len(str(steps))}}/{steps}", f"loss {loss:.4f}"]
+    if "perf/samples_per_sec" in figures:
+        parts.append(f"{format_count(figures['perf/samples_per_sec'])} samples/s")
+        parts.append(f"step time {format_seconds(figures['perf/step_time_ms'] / 1e3)}")
+        parts.append(f"data wait {format_percent(figures['perf/data_wait_frac'])}")
+    else:
+        parts.append("warming up (no timing yet)")
+    if "amp/loss_scale" in figures:
+        parts.append(f"loss scale {format_count(figures['amp/loss_scale'])}")
+    if skipped:
+        names = ", ".join(map(str, skipped))
+        parts.append(f"skipped step{'s' if len(skipped) > 1 else ''} {names} (inf/NaN gradients, weights unchanged)")
+    return " | ".join(parts)
 
 
 def _prefixed(efficiency: dict[str, float], loss_scale: dict[str, float]) -> dict[str, float]:

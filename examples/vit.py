@@ -37,15 +37,23 @@ Commands::
     python examples/vit.py --devices 8 --strategy ddp --precision 32-true
     # the same case study as a LightningCLI program, every setting in one YAML file (see examples/vit_cli.py)
     python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml
+    # stop after 30 optimizer steps, then continue the same run (its folder, settings and schedule) to step 60
+    python examples/vit.py --max-steps 30
+    python examples/vit.py --resume last --max-steps 60
 
-Settings come from the flags, over an optional ``--config`` YAML file (keys are the flags' names), over defaults that
-depend on the data: the digits preset (``vit_digits``, 16 px, 32 images per optimizer step, 30 epochs, lr 2e-3) or the
-seed's recipe for ``synthetic`` and ImageFolder data. Everything a run produces goes to ``--output-dir`` (default
-``runs/vit``): ``config.yaml`` (the resolved settings, reusable with ``--config``), ``metrics.csv`` (CSVLogger),
-``checkpoints/last.ckpt``, ``efficiency.json`` and ``memory.json`` (the monitors' reports, each with a ``.png``
-beside it; ``loss_scale.json`` too under ``16-mixed``) and ``results.json`` (the final table).
-Configuration errors (unknown model, missing data, a global batch that does not divide) end with one ``error:`` line
-and exit status 2.
+Settings come from the flags (timm ``train.py``'s names, or this script's earlier ones), over an optional ``--config``
+YAML file (keys are the flags' names), over defaults that depend on the data: the digits preset (``vit_digits``, 16 px,
+32 images per optimizer step, 30 epochs, lr 2e-3) or the seed's recipe for ``synthetic`` and ImageFolder data.
+
+Each run gets a folder of its own under ``--output`` (default ``runs/vit``), named ``<date>-<time>-<model>-<img size>``
+or ``--experiment``, never reused (``_vit_runs.py``): ``config.yaml`` (the resolved settings, reusable with
+``--config``), ``metrics.csv`` (CSVLogger), ``checkpoints/best.ckpt`` and ``checkpoints/last.ckpt``,
+``training.png``/``training.json`` (loss, validation accuracy and LR; ``_vit_report.py``), ``efficiency.json`` and
+``memory.json`` (the monitors' reports, each with a ``.png`` beside it; ``loss_scale.json`` too under ``16-mixed``) and
+``results.json`` (the final table). The console shows one line per epoch. ``--resume`` continues a run exactly in its
+folder (a resumed part logs to ``resumed-N/metrics.csv`` there). ``--max-steps`` stops a run early without shortening
+its LR schedule, which spans ``--epochs``. Configuration errors (unknown model, missing data, a global batch that does
+not divide) end with one ``error:`` line and exit status 2, before any process starts.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +83,8 @@ from _vit_data import (
     folder_datasets,
     synthetic_datasets,
 )
+from _vit_report import TrainingReport
+from _vit_runs import CONFIG_NAME, StopAtStep, check_global_batch, create_run_dir, find_checkpoint, run_dir_of
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
@@ -141,6 +152,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags, under timm ``train.py``'s names where it has one (this script's earlier names still work)."""
     parser = argparse.ArgumentParser(
         prog="vit.py",
         description="Train a ViT (or any timm model) with lit_accel: DDP, mixed precision, accumulation, SyncBN.",
@@ -158,12 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--img-size", type=int, default=None, help="input size in pixels; default: 16 on digits, the model's own else"
     )
-    group.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
+    group.add_argument(
+        "--torchcompile", "--compile", dest="compile", action="store_true", help="compile the model (torch.compile)"
+    )
     group.add_argument("--channels-last", action="store_true", help="channels-last memory format (helps conv nets)")
 
     group = parser.add_argument_group("data")
     group.add_argument(
         "--data",
+        "--data-dir",
+        dest="data",
         default=None,
         help="'synthetic', 'digits' or a path to an ImageFolder tree with train/ and val/; "
         "default: synthetic with a GPU, digits without",
@@ -172,11 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--synthetic-samples", type=int, default=SYNTHETIC_TRAIN_SAMPLES, help="training images of --data synthetic"
     )
     group.add_argument(
-        "--num-workers", type=int, default=None, help="loader processes per device; default: 0 on digits, else <= 8"
+        "-j",
+        "--workers",
+        "--num-workers",
+        dest="num_workers",
+        type=int,
+        default=None,
+        help="loader processes per device; default: 0 on digits, else <= 8",
     )
 
     group = parser.add_argument_group("optimisation (defaults: the seed's recipe, or the digits preset)")
     group.add_argument(
+        "-b",
         "--batch-size",
         type=int,
         default=None,
@@ -189,13 +212,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="images per optimizer step over all devices; sets the accumulation (batch x devices x accumulation)",
     )
-    group.add_argument("--accumulate", type=int, default=None, help="micro-batches per optimizer step")
+    group.add_argument(
+        "--grad-accum-steps", "--accumulate", dest="accumulate", type=int, default=None, help="micro-batches per step"
+    )
     group.add_argument("--epochs", type=int, default=None, help="default: 30 digits, 1 synthetic, 90 ImageFolder")
-    group.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps (-1: epochs)")
+    group.add_argument(
+        "--max-steps",
+        type=int,
+        default=-1,
+        help="stop after this many optimizer steps (-1: at the end of --epochs); the LR schedule still spans --epochs, "
+        "so --resume continues the run exactly",
+    )
     group.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate")
     group.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay (not on norms and biases)")
     group.add_argument(
-        "--warmup-steps", type=int, default=None, help="linear warm-up steps before the cosine decay; default: 5%%"
+        "--warmup-epochs", type=float, default=None, help="linear warm-up, in epochs, before the cosine decay"
+    )
+    group.add_argument(
+        "--warmup-steps", type=int, default=None, help="the warm-up in optimizer steps instead; default of both: 5%%"
     )
     group.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient norm (0: off)")
 
@@ -216,13 +250,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync-bn",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="synchronise BatchNorm statistics across devices (AccelDDP)",
+        help="synchronise BatchNorm statistics across devices (AccelDDP; a model without BatchNorm has none to sync)",
     )
 
     group = parser.add_argument_group("run")
     group.add_argument("--seed", type=int, default=42, help="random seed (the digits split is fixed regardless)")
-    group.add_argument("--output-dir", default="runs/vit", help="logs, checkpoint, efficiency report, results")
-    group.add_argument("--log-every-n-steps", type=int, default=10, help="logging interval in optimizer steps")
+    group.add_argument(
+        "--output",
+        "--output-dir",
+        dest="output",
+        default="runs/vit",
+        help="parent folder of the runs: each run gets its own folder in it, never reused",
+    )
+    group.add_argument(
+        "--experiment", default=None, help="the run folder's name; default: <date>-<time>-<model>-<img size>"
+    )
+    group.add_argument(
+        "--resume",
+        default=None,
+        help="continue a run: a checkpoint, a run folder (its last.ckpt) or 'last' (the run under --output that saved "
+        "last); its config.yaml gives the settings, flags override them",
+    )
+    group.add_argument(
+        "--log-interval",
+        "--log-every-n-steps",
+        dest="log_every_n_steps",
+        type=int,
+        default=10,
+        help="logging interval in optimizer steps",
+    )
     group.add_argument(
         "--cpu-threads",
         type=int,
@@ -232,18 +288,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Settings of one invocation, not of the run: a resumed run does not take them from the run's config.yaml.
+_PER_INVOCATION = ("config", "resume", "max_steps", "output", "experiment")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse the command line over the optional ``--config`` YAML, then fill the data-dependent defaults."""
+    """Parse the command line over ``--config`` over a resumed run's ``config.yaml``, then fill the defaults."""
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
+    for flags in (("--config",), ("--resume",), ("--output", "--output-dir")):
+        pre.add_argument(*flags, dest=flags[0].lstrip("-"), default=None)
     known, _ = pre.parse_known_args(argv)
-    if known.config is not None:
-        parser.set_defaults(**_load_config(known.config, valid=set(vars(parser.parse_args([])))))
-    return resolve(parser.parse_args(argv))
+    keys = _config_keys(parser)
+    config = _load_config(known.config, keys) if known.config is not None else {}
+    checkpoint, run_dir = None, None
+    if known.resume is not None:
+        output = Path(known.output or config.get("output") or parser.get_default("output"))
+        try:
+            checkpoint = find_checkpoint(known.resume, output)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        run_dir = run_dir_of(checkpoint)
+        if run_dir is not None:  # the run's own settings, below --config and the flags
+            saved = _load_config(str(run_dir / CONFIG_NAME), keys)
+            parser.set_defaults(**{k: v for k, v in saved.items() if k not in _PER_INVOCATION})
+    parser.set_defaults(**config)
+    args = parser.parse_args(argv)
+    args.resume = None if checkpoint is None else str(checkpoint)
+    args.run_dir = None if run_dir is None else str(run_dir)
+    return resolve(args)
 
 
-def _load_config(path: str, valid: set[str]) -> dict[str, Any]:
+# timm's flag names and this script's earlier ones, as keys of a config file: the setting each one sets.
+_CONFIG_ALIASES = {
+    "grad_accum_steps": "accumulate",
+    "workers": "num_workers",
+    "torchcompile": "compile",
+    "data_dir": "data",
+    "output_dir": "output",
+    "log_interval": "log_every_n_steps",
+}
+
+
+def _config_keys(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Every setting's name, and its aliases, as a config key mapped to the setting."""
+    return {**{dest: dest for dest in vars(parser.parse_args([]))}, **_CONFIG_ALIASES}
+
+
+def _load_config(path: str, keys: dict[str, str]) -> dict[str, Any]:
+    """A YAML file of settings, keyed by any of their flag names, as ``{setting: value}``."""
     try:
         with open(path) as file:
             config = yaml.safe_load(file) or {}
@@ -254,10 +347,10 @@ def _load_config(path: str, valid: set[str]) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UsageError(f"--config {path!r} must hold a mapping of flag names to values")
     config = {str(key).replace("-", "_"): value for key, value in config.items()}
-    unknown = sorted(set(config) - valid - {"config"})
+    unknown = sorted(set(config) - set(keys))
     if unknown:
         raise UsageError(f"--config {path!r}: unknown settings {unknown}; use the flag names, e.g. 'batch_size'")
-    return config
+    return {keys[key]: value for key, value in config.items() if keys[key] != "config"}
 
 
 def _uses_cuda(accelerator: str) -> bool:
@@ -274,6 +367,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.warmup_epochs is not None and args.warmup_epochs < 0:
+        raise UsageError(f"--warmup-epochs must be 0 or more, got {args.warmup_epochs}")
     cuda = _uses_cuda(args.accelerator)
     if args.data is None:
         args.data = "synthetic" if cuda else "digits"
@@ -309,15 +404,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         local = max(1, args.world_size // args.num_nodes)
         args.num_workers = 0 if args.data == "digits" else min(8, max(1, (os.cpu_count() or 1) // local))
 
-    per_step = args.batch_size * args.world_size
+    if args.warmup_epochs is not None and args.warmup_steps is not None:
+        raise UsageError("--warmup-epochs and --warmup-steps both set the warm-up; give only one of them")
     if args.global_batch_size is not None:
-        # The same check AccelDDP makes at fit start; here it happens before any process is launched.
-        if args.global_batch_size % per_step:
-            raise UsageError(
-                f"--global-batch-size {args.global_batch_size} is not divisible by --batch-size {args.batch_size} x "
-                f"{args.world_size} devices = {per_step}; use a multiple of {per_step} or change --batch-size"
-            )
-        accumulate = args.global_batch_size // per_step
+        # lit_accel's own plan (what AccelDDP computes at fit start), checked before any process is launched.
+        try:
+            accumulate = check_global_batch(args.global_batch_size, args.batch_size, args.world_size)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         if args.accumulate is not None and args.accumulate != accumulate:
             raise UsageError(
                 f"--accumulate {args.accumulate} contradicts --global-batch-size {args.global_batch_size} = "
@@ -399,10 +493,14 @@ class ImageClassifier(pl.LightningModule):
         lr: peak learning rate.
         weight_decay: AdamW weight decay, applied to weights only (timm's ``param_groups_weight_decay`` exempts
             norms, biases and position embeddings, as in the DeiT/timm recipes).
-        warmup_steps: linear warm-up in optimizer steps; ``None`` takes 5% of the run.
+        warmup_steps: linear warm-up in optimizer steps; ``None`` (and no ``warmup_epochs``) takes 5% of the run.
         channels_last: move the input batches to channels-last memory format.
         input_shape: ``(channels, height, width)`` of one image: Lightning's model summary runs one such (zero) image
             through the model to show the layers' FLOPs and input/output sizes.
+        warmup_epochs: the warm-up in epochs instead of ``warmup_steps`` (timm's ``--warmup-epochs``).
+
+    The schedule spans the planned run (``trainer.estimated_stepping_batches``: ``max_epochs``, or ``max_steps``
+    when the Trainer has one); ``vit.py`` stops early with a callback instead, so the schedule stays that of the run.
     """
 
     def __init__(
@@ -414,6 +512,7 @@ class ImageClassifier(pl.LightningModule):
         warmup_steps: int | None,
         channels_last: bool = False,
         input_shape: tuple[int, int, int] | None = None,
+        warmup_epochs: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["net"])
@@ -435,6 +534,8 @@ class ImageClassifier(pl.LightningModule):
         loss = F.cross_entropy(self(images), labels)
         # The progress bar reads the value only when it refreshes; Lightning divides the loss by the accumulation.
         self.log("train/loss", loss, prog_bar=True)
+        # The epoch's mean over all ranks, for the per-epoch line: accumulated on device, reduced once at epoch end.
+        self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -458,6 +559,10 @@ class ImageClassifier(pl.LightningModule):
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = self.hparams.warmup_steps
+        if warmup is None and self.hparams.get("warmup_epochs") is not None:
+            # estimated_stepping_batches has loaded the train dataloader: its batches per epoch are known
+            per_epoch = math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches)
+            warmup = round(self.hparams.warmup_epochs * per_epoch)
         warmup = round(WARMUP_FRACTION * total) if warmup is None else warmup
         self.resolved_warmup_steps = warmup
 
@@ -490,7 +595,8 @@ def build_strategy(args: argparse.Namespace, num_batchnorms: int) -> Any:
         # so at setup, before configure_optimizers reads trainer.estimated_stepping_batches for the LR schedule.
         cls = AccelDDP if args.strategy == "accel_ddp" else AccelFSDP
         return cls(
-            sync_batchnorm=args.sync_bn,
+            # a model without BatchNorm has nothing to synchronise (and AccelDDP would say so): pass it only with some
+            sync_batchnorm=args.sync_bn and num_batchnorms > 0,
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.batch_size if args.global_batch_size is not None else None,
             compile=args.compile,  # each block compiled before DDP wraps / FSDP shards it
@@ -515,8 +621,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.cpu_threads)
     if _uses_cuda(args.accelerator):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for the fp32 parts
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
 
     try:
         spec = build_data(args)
@@ -537,23 +641,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         args.warmup_steps,
         args.channels_last,
         input_shape=(spec.in_chans, args.img_size, args.img_size),
+        warmup_epochs=args.warmup_epochs,
     )
-    datamodule = ImageDataModule(spec, args.batch_size, args.num_workers, pin_memory=_uses_cuda(args.accelerator))
+    cuda = _uses_cuda(args.accelerator)
+    datamodule = ImageDataModule(spec, args.batch_size, args.num_workers, pin_memory=cuda, seed=args.seed)
 
-    # AccelPrecision for every precision: fp16 gets dynamic loss scaling, bf16 and fp32 a guard that refuses to write
-    # non-finite gradients into the weights; all three count skipped steps.
-    precision = AccelPrecision(args.precision)
-    efficiency = EfficiencyMonitor(report_path=output_dir / "efficiency.json", print_summary=False)
-    callbacks = [
-        RichProgressBar(),
-        LearningRateMonitor(logging_interval="step"),
-        # One checkpoint, the latest; a re-run into the same directory replaces it (as it replaces the CSV logs).
-        ModelCheckpoint(output_dir / "checkpoints", filename="last", save_top_k=1, enable_version_counter=False),
-        efficiency,
-        MemoryMonitor(report_path=output_dir / "memory.json", print_summary=False),
-    ]
-    if args.precision == "16-mixed":  # the only precision with a loss scale to watch
-        callbacks.append(LossScaleMonitor(report_path=output_dir / "loss_scale.json"))
+    # A resumed run continues in its own folder; a new one gets a folder of its own (never another run's).
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:
+        run_dir = create_run_dir(Path(args.output), args.experiment, args.model, args.img_size)
+    efficiency = EfficiencyMonitor(report_path=run_dir / "efficiency.json", print_summary=False)
+    callbacks = build_callbacks(args, run_dir, efficiency)
     strategy = build_strategy(args, num_batchnorms)
     try:
         trainer = pl.Trainer(
@@ -561,56 +660,100 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             devices=args.devices,
             num_nodes=args.num_nodes,
             strategy=strategy,
-            plugins=[precision],
+            # AccelPrecision for every precision: fp16 gets dynamic loss scaling, bf16 and fp32 a guard that refuses
+            # to write non-finite gradients into the weights; all three count skipped steps.
+            plugins=[AccelPrecision(args.precision)],
             accumulate_grad_batches=args.accumulate,
             gradient_clip_val=args.clip_grad or None,
             max_epochs=args.epochs,
-            max_steps=args.max_steps,
+            max_steps=-1,  # --max-steps stops the run (StopAtStep), leaving the schedule that of --epochs
             callbacks=callbacks,
-            logger=CSVLogger(output_dir, name="", version=""),
+            logger=build_logger(run_dir, resumed=args.resume is not None),
             log_every_n_steps=args.log_every_n_steps,
-            default_root_dir=output_dir,
-            benchmark=_uses_cuda(args.accelerator),
+            default_root_dir=run_dir,
+            benchmark=cuda,
         )
     except (ValueError, MisconfigurationException) as err:
         raise UsageError(" ".join(str(err).split())) from None
 
     if trainer.is_global_zero:
-        # Create the CSV writer first: it warns about (and later replaces) logs already in the directory, and
-        # config.yaml is not one of them.
+        # Create the CSV writer first: it warns about a log folder that is not empty, and config.yaml is not a log.
         _ = trainer.logger.experiment
-        save_config(args, output_dir / "config.yaml")
+        save_config(args, run_dir / CONFIG_NAME)
+    echo_header(args, num_params, num_batchnorms, spec.description, run_dir)
+
+    if args.resume:  # continuing in the run's own folder: its checkpoints are expected there
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=args.resume, weights_only=True)
+    fit_seconds = time.perf_counter() - start
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    if module.last_val_step != trainer.global_step or "val/acc" not in metrics:
+        # The fit ended without validating its last weights (a resumed run that had nothing left to train).
+        metrics.update(trainer.validate(module, datamodule=datamodule, verbose=False)[0])
+
+    results = collect_results(args, trainer, module, efficiency, metrics, fit_seconds, num_params)
+    results["output_dir"] = str(run_dir)
+    if trainer.is_global_zero:
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        print_table(results)
+    return results
+
+
+def build_callbacks(args: argparse.Namespace, run_dir: Path, efficiency: EfficiencyMonitor) -> list[Any]:
+    callbacks = [
+        RichProgressBar(),
+        LearningRateMonitor(logging_interval="step"),
+        # best.ckpt (highest val/acc) and last.ckpt, saved at each validation; --resume continues from either. At the
+        # validation, not at the epoch's end: a run stopped mid-epoch must not look like a finished epoch on resume.
+        ModelCheckpoint(
+            run_dir / "checkpoints",
+            filename="best",
+            monitor="val/acc",
+            mode="max",
+            save_top_k=1,
+            save_last=True,
+            save_on_train_epoch_end=False,
+            enable_version_counter=False,
+        ),
+        efficiency,
+        MemoryMonitor(report_path=run_dir / "memory.json", print_summary=False),
+        TrainingReport(run_dir),  # a line per epoch; training.png and training.json at the end
+        StopAtStep(args.max_steps if args.max_steps > 0 else None),
+    ]
+    if args.precision == "16-mixed":  # the only precision with a loss scale to watch
+        callbacks.append(LossScaleMonitor(report_path=run_dir / "loss_scale.json"))
+    return callbacks
+
+
+def build_logger(run_dir: Path, resumed: bool) -> CSVLogger:
+    """``metrics.csv`` in the run folder; a resumed run's part in ``resumed-N/`` (the CSV logger would replace it)."""
+    if not resumed:
+        return CSVLogger(run_dir, name="", version="")
+    number = 1 + sum(1 for path in run_dir.glob("resumed-*") if path.is_dir())
+    return CSVLogger(run_dir, name="", version=f"resumed-{number}")
+
+
+def echo_header(args: argparse.Namespace, num_params: int, num_batchnorms: int, data: str, run_dir: Path) -> None:
     syncbn = (
         f"{num_batchnorms} BatchNorm layers, synchronised across {args.world_size} devices"
         if num_batchnorms and args.sync_bn and args.strategy in ("accel_ddp", "accel_fsdp") and args.world_size > 1
         else f"{num_batchnorms} BatchNorm layers" + (": --sync-bn has nothing to do" if not num_batchnorms else "")
     )
     global_batch = args.batch_size * args.world_size * args.accumulate
+    resumed = f" | resumed from {args.resume}" if args.resume else ""
     echo(
-        f"[bold]{args.model}[/bold] ({num_params / 1e6:.2f} M parameters, {syncbn}) | {spec.description}\n"
+        f"[bold]{args.model}[/bold] ({num_params / 1e6:.2f} M parameters, {syncbn}) | {data}\n"
         f"global batch {global_batch} = {args.batch_size} per device x {args.world_size} devices x "
         f"{args.accumulate} accumulation | {args.precision} | strategy {args.strategy} | lit_accel "
-        f"{lit_accel.__version__}"
+        f"{lit_accel.__version__}\nrun folder {run_dir}{resumed}"
     )
-
-    start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
-    fit_seconds = time.perf_counter() - start
-    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-    if module.last_val_step != trainer.global_step or "val/acc" not in metrics:
-        # Training stopped between two validations (e.g. --max-steps): validate the final weights.
-        metrics.update(trainer.validate(module, datamodule=datamodule, verbose=False)[0])
-
-    results = collect_results(args, trainer, module, efficiency, metrics, fit_seconds, num_params)
-    if trainer.is_global_zero:
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        print_table(results)
-    return results
 
 
 def save_config(args: argparse.Namespace, path: Path) -> None:
     """Save the resolved settings, loadable again with ``--config`` (the timm habit)."""
-    config = {key: value for key, value in vars(args).items() if key not in ("config", "world_size")}
+    skip = ("config", "world_size", "resume", "run_dir")  # this invocation's, not the run's settings
+    config = {key: value for key, value in vars(args).items() if key not in skip}
     if config["global_batch_size"] is not None:
         config["accumulate"] = None  # derived from the global batch and the number of devices
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -654,7 +797,7 @@ def collect_results(
         "skipped_steps": getattr(precision, "skipped_steps", 0),
         "loss_scale": getattr(precision, "loss_scale", None),
         "fit_seconds": fit_seconds,
-        "output_dir": str(args.output_dir),
+        "output_dir": None,  # the run folder, set by train()
     }
 
 

@@ -19,27 +19,36 @@ Commands::
     # the resolved configuration, without training
     python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml --print_config
 
-Everything goes to ``--output_dir`` (default ``runs/vit_cli``): ``config.yaml``, ``metrics.csv``, ``checkpoints/`` and
-``efficiency.json`` (the ``EfficiencyMonitor``, configured under the YAML's ``efficiency:`` key). Give the strategy in
-the YAML or as ``--trainer.strategy=accel_ddp``; ``--trainer.strategy=lit_accel.AccelDDP`` alone is read as a strategy
-*name* by Lightning (Lightning #19682), and repeated after a config that sets the strategy it starts over from the
-class defaults: override single arguments with ``--trainer.strategy.global_batch_size=64`` instead.
+Everything goes to ``--output_dir`` (default ``runs/vit_cli``): ``config.yaml``, ``metrics.csv``, ``checkpoints/``,
+``efficiency.json`` (the ``EfficiencyMonitor``, configured under the YAML's ``efficiency:`` key) and ``training.png``
+with its data ``training.json`` (``vit.py``'s ``TrainingReport``, under ``report:``, which also prints a line per
+epoch). ``--trainer.max_steps`` validates the weights it stops at inside fit (``StopAtStep``, under ``stop:``). A
+``global_batch_size`` that the data's batch size and the devices cannot make is reported before any process starts.
+
+Give the strategy in the YAML or as ``--trainer.strategy=accel_ddp``; ``--trainer.strategy=lit_accel.AccelDDP``
+alone is read as a strategy *name* by Lightning (Lightning #19682), and repeated after a config that sets the strategy
+it starts over from the class defaults: override single arguments with ``--trainer.strategy.global_batch_size=64``
+instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
 from _vit_data import SYNTHETIC_TRAIN_SAMPLES, ImageDataModule
+from _vit_report import TrainingReport
+from _vit_runs import StopAtStep
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from vit import DIGITS_MODEL, ImageClassifier, build_data, build_model, echo
 
 import lit_accel  # noqa: F401 - registers the strategy names (accel_ddp, accel_fsdp, ...) for --trainer.strategy
 from lit_accel import EfficiencyMonitor
+from lit_accel.strategies.batch_plan import make_batch_plan
 
 
 class ViTClassifier(ImageClassifier):
@@ -49,7 +58,7 @@ class ViTClassifier(ImageClassifier):
         model_name: any timm model name, or ``"vit_digits"`` (the small digits ViT).
         num_classes, in_chans: set from the data (linked by the CLI).
         img_size: input size in pixels (linked from ``data.img_size``).
-        lr, weight_decay, warmup_steps, channels_last: as for ``ImageClassifier``.
+        lr, weight_decay, warmup_steps, channels_last, warmup_epochs: as for ``ImageClassifier``.
         compile: compile the model with ``torch.compile``.
     """
 
@@ -64,15 +73,16 @@ class ViTClassifier(ImageClassifier):
         warmup_steps: int | None = None,
         channels_last: bool = False,
         compile: bool = False,
+        warmup_epochs: float | None = None,
     ) -> None:
         net = build_model(model_name, num_classes, in_chans, img_size)
         if channels_last:
             net = net.to(memory_format=torch.channels_last)
         if compile:
             net.compile()
-        super().__init__(
-            net, num_classes, lr, weight_decay, warmup_steps, channels_last, input_shape=(in_chans, img_size, img_size)
-        )
+        shape = (in_chans, img_size, img_size)
+        args = (net, num_classes, lr, weight_decay, warmup_steps, channels_last)
+        super().__init__(*args, input_shape=shape, warmup_epochs=warmup_epochs)
 
 
 class ViTData(ImageDataModule):
@@ -86,6 +96,7 @@ class ViTData(ImageDataModule):
         synthetic_samples: training images of ``"synthetic"``.
         model_name: the model, whose timm config gives an ImageFolder's normalisation (linked by the CLI).
         pin_memory: pin host memory (helps with GPUs).
+        seed: the training order's seed (an interrupted run resumes in the same order).
     """
 
     def __init__(
@@ -97,11 +108,12 @@ class ViTData(ImageDataModule):
         synthetic_samples: int = SYNTHETIC_TRAIN_SAMPLES,
         model_name: str = DIGITS_MODEL,
         pin_memory: bool = False,
+        seed: int = 0,
     ) -> None:
         spec = build_data(
             argparse.Namespace(data=data, img_size=img_size, synthetic_samples=synthetic_samples, model=model_name)
         )
-        super().__init__(spec, batch_size, num_workers, pin_memory)
+        super().__init__(spec, batch_size, num_workers, pin_memory, seed)
         self.num_classes, self.in_chans = spec.num_classes, spec.in_chans
 
 
@@ -112,9 +124,12 @@ class ViTCLI(LightningCLI):
         parser.add_argument("--output_dir", type=str, default="runs/vit_cli", help="logs, checkpoints, reports")
         parser.add_argument("--cpu_threads", type=int | None, default=None, help="intra-op threads per process")
         parser.add_lightning_class_args(EfficiencyMonitor, "efficiency")
+        parser.add_lightning_class_args(TrainingReport, "report")  # a line per epoch; training.png at the end
+        parser.add_lightning_class_args(StopAtStep, "stop")  # validates the weights that --trainer.max_steps stops at
         parser.link_arguments("output_dir", "trainer.default_root_dir")
         parser.link_arguments("output_dir", "trainer.logger.init_args.save_dir")  # when the logger is a class
         parser.link_arguments("output_dir", "efficiency.report_path", compute_fn=_efficiency_report)
+        parser.link_arguments("output_dir", "report.output_dir")
         parser.link_arguments("data.img_size", "model.img_size")
         parser.link_arguments("model.model_name", "data.model_name")
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
@@ -125,6 +140,20 @@ class ViTCLI(LightningCLI):
         if config.cpu_threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(config.cpu_threads)  # also for the processes Lightning launches
             torch.set_num_threads(config.cpu_threads)
+
+    def before_fit(self) -> None:
+        """Check the global batch before any process starts: one ``error:`` line and exit status 2, not one per rank."""
+        trainer, strategy = self.trainer, self.trainer.strategy
+        global_batch = getattr(strategy, "global_batch_size", None)
+        if global_batch is None:
+            return
+        world = trainer.num_devices * trainer.num_nodes
+        try:
+            make_batch_plan(global_batch, self.datamodule.batch_size, world, owner=type(strategy).__name__)
+        except ValueError as err:
+            if rank_zero_only.rank == 0:
+                print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+            sys.exit(2)
 
     def after_fit(self) -> None:
         trainer, module = self.trainer, self.model

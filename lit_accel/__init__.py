@@ -41,6 +41,10 @@ from lit_accel.protocols import (
     SkippedStepRecord,
 )
 from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParts
+from lit_accel.strategies.batch_plan import BatchPlan
+from lit_accel.utilities._warnings import install as _install_warning_format
+
+_install_warning_format()  # our warnings on one line, without the source line (utilities/_warnings.py)
 
 __all__ = [
     "AccelDDP",
@@ -48,6 +52,7 @@ __all__ = [
     "AccelParts",
     "AccelPrecision",
     "AccelSyncBatchNorm",
+    "BatchPlan",
     "BusBytes",
     "CommStats",
     "CommStatsProvider",

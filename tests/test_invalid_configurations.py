@@ -338,7 +338,12 @@ def test_construction_time_configuration_raises(name):
 EXAMPLE_ROWS: dict[str, tuple[list[str], Row]] = {
     "example-global_batch_not_divisible": (
         ["--accelerator", "cpu", "--devices", "2", "--batch-size", "4", "--global-batch-size", "30"],
-        Row(Exception, r"--global-batch-size 30", r"not divisible by --batch-size 4 x 2 devices", r"use a multiple"),
+        Row(
+            Exception,
+            r"--global-batch-size 30",
+            r"not divisible by --batch-size 4 x 2 devices",
+            r"Fix: --global-batch-size 24 or 32, or --batch-size 3 or 5",
+        ),
     ),
     "example-accumulate_contradicts_global_batch": (
         ["--accelerator", "cpu", "--devices", "2", "--batch-size", "4", "--global-batch-size", "32", "--accumulate=3"],

@@ -20,7 +20,7 @@ from lit_accel.callbacks._flops import FlopCounter
 from lit_accel.meters._efficiency_metrics import checked_peak_flops
 from lit_accel.meters._plots import efficiency_figure, save_report
 from lit_accel.meters.efficiency import EfficiencyMeter
-from lit_accel.meters.tables import efficiency_table, peaks_caption
+from lit_accel.meters.tables import comm_note, efficiency_table, peaks_caption
 from lit_accel.protocols import CommStatsProvider
 from lit_accel.utilities._compat import batches_that_stepped
 from lit_accel.utilities._peak_flops import PeakLookup, cuda_device_facts, lookup_peaks, matmul_precision
@@ -122,6 +122,9 @@ class EfficiencyMonitor(Callback):
         self.meter: EfficiencyMeter | None = None
         self._counter: FlopCounter | None = None
         self._peaks = PeakLookup(None)  # the peak-table entry and why, set at fit start
+        self._device_name: str | None = None
+        self._precision = "fp32"
+        self._told_no_peak = False
         self._flop_batch_size = 0.0
         self._batch_step = 0
         self._step_label = 0
@@ -134,22 +137,35 @@ class EfficiencyMonitor(Callback):
     # ------------------------------------------------------------------ set-up
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The peak lookup (and its notice) here, before the progress bar starts drawing.
+        if stage == "fit":
+            self._look_up_peaks(trainer)
+
+    def _look_up_peaks(self, trainer: pl.Trainer) -> None:
         device = trainer.strategy.root_device
         self._device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self._precision = matmul_precision(trainer.precision)
-        counting = self._flops_per_sample is None and self.count_flops
         if self.peak_flops is not None:
             self._peaks = PeakLookup(None, {}, "given as peak_flops")
         elif device.type == "cuda":  # the name, and where it is ambiguous the memory, SMs and power limit
             self._peaks = cuda_device_facts(device.index or 0).lookup()
         else:
             self._peaks = lookup_peaks(self._device_name)
-        if self.peak_flops is None and self._peaks.entry is None and (self._flops_per_sample or self.count_flops):
+        wanted = self._flops_per_sample or self.count_flops
+        if self.peak_flops is None and self._peaks.entry is None and wanted and not self._told_no_peak:
+            self._told_no_peak = True  # once per monitor, however many fits
             rank_zero_info(
                 f"EfficiencyMonitor: no peak FLOP/s known for {self._device_name!r} ({self._peaks.reason}), so no MFU."
                 " Fix: pass EfficiencyMonitor(peak_flops=...) (dense FLOP/s of one device, or a dict by dtype)."
             )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._device_name is None:  # a fit that skipped setup (the hooks called by hand)
+            self._look_up_peaks(trainer)
+        device = trainer.strategy.root_device
+        counting = self._flops_per_sample is None and self.count_flops
         strategy = trainer.strategy
         self.meter = EfficiencyMeter(
             device,
@@ -286,6 +302,8 @@ class EfficiencyMonitor(Callback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             peak_entry=self._peaks.entry,
             peak_reason=self._peaks.reason,
+            # why the comm figures are absent, when the strategy counts no collectives (e.g. Lightning's DDPStrategy)
+            comm_note=comm_note(type(trainer.strategy).__name__, trainer.world_size, meter.comm_stats is not None),
         )
         if not trainer.is_global_zero:
             return
@@ -297,4 +315,4 @@ class EfficiencyMonitor(Callback):
         if self.print_summary:
             from rich.console import Console
 
-            Console().print(efficiency_table(self.summary, title, peaks_caption(config)))
+            Console().print(efficiency_table(self.summary, title, peaks_caption(config), config["comm_note"]))

@@ -164,7 +164,7 @@ class MemoryMonitor(Callback):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         title = f"MemoryMonitor: {name} x{trainer.world_size}, {trainer.precision}, {strategy}"
         if trainer.is_global_zero and self.report_path is not None:
-            figure = partial(memory_figure, meter.history, title)
+            figure = partial(memory_figure, meter.history, title, trainer.world_size)
             save_report(self.report_path, self.report, figure, "MemoryMonitor", rank_zero_info)
         if trainer.is_global_zero and self.print_summary:
             from rich.console import Console

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from lit_accel.protocols import BusBytes, ExposedComm
 from lit_accel.utilities._compat import all_gather_flat, dynamo_compile_counts
 from lit_accel.utilities._timing import IntervalTimer, synchronize
 from lit_accel.utilities._validation import check_int, check_number
+from lit_accel.utilities._warnings import rank_zero_warn
 
 if TYPE_CHECKING:
     from lit_accel.protocols import CommStats
@@ -78,7 +78,8 @@ class EfficiencyMeter:
         straggler_threshold: a rank is named when its own time exceeds the others' median by more than this share.
         straggler_windows: consecutive windows naming the same rank before the warning.
         max_recompiles: torch.compile recompilations after the warm-up before a warning (``None``: never).
-        clock: host clock in seconds (injectable for tests). warn, info: where warnings and notes go.
+        clock: host clock in seconds (injectable for tests). warn, info: where warnings (default: rank 0 only) and
+            notes go.
 
     Example::
 
@@ -110,7 +111,7 @@ class EfficiencyMeter:
         straggler_windows: int = 3,
         max_recompiles: int | None = 8,
         clock: Callable[[], float] = time.perf_counter,
-        warn: Callable[[str], Any] = warnings.warn,
+        warn: Callable[[str], Any] = rank_zero_warn,
         info: Callable[[str], Any] = _log.info,
     ) -> None:
         name = "EfficiencyMeter"

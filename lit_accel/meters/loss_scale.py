@@ -8,7 +8,6 @@ few tiny device ops; :meth:`LossScaleMeter.compute` reads everything with one ``
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from lit_accel.meters._scale_sources import ScaleSource, select_source
 from lit_accel.utilities._validation import check_int, is_number
+from lit_accel.utilities._warnings import rank_zero_warn
 
 __all__ = ["LossScaleMeter"]
 
@@ -39,7 +39,7 @@ class LossScaleMeter:
         skip_rate_window: optimizer steps over which the skip rate is checked.
         warmup_steps: optimizer steps ignored before checking (a scaler starting at 2**16 calibrates first).
         min_scale_threshold: positive scale, or ``None`` for no low-scale warning.
-        warn: where warnings go (``warnings.warn`` by default).
+        warn: where warnings go (by default ``warnings.warn`` on global rank 0 only).
 
     Raises:
         ValueError: a threshold or window out of range. TypeError: a wrong type.
@@ -61,7 +61,7 @@ class LossScaleMeter:
         skip_rate_window: int = 100,
         warmup_steps: int = 100,
         min_scale_threshold: float | None = 1.0,
-        warn: Callable[[str], Any] = warnings.warn,
+        warn: Callable[[str], Any] = rank_zero_warn,
     ) -> None:
         name = "LossScaleMonitor"
         check_int(name, "skip_rate_window", skip_rate_window, example=100)

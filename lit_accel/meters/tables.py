@@ -20,7 +20,7 @@ from lit_accel.utilities._units import (
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["efficiency_table", "peaks_caption"]
+__all__ = ["comm_note", "efficiency_table", "peaks_caption"]
 
 
 def _per_second(text: str) -> str:
@@ -44,15 +44,20 @@ _EFFICIENCY_ROWS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("comm in flight (share of step)", "comm_time_frac", format_percent),
     ("comm exposed (share of step)", "comm_exposed_frac", format_percent),
     ("compute / (compute + exposed comm)", "compute_frac", format_percent),
-    ("straggler (rank, -1: none)", "straggler_rank", "{:.0f}".format),
-    ("straggler's own time above the others'", "straggler_excess_frac", format_percent),
+    ("straggler", "straggler_rank", lambda v: "none" if v < 0 else f"rank {v:.0f}"),
+    ("slowest rank's own time above the others'", "straggler_excess_frac", format_percent),
     ("torch.compile recompilations", "recompiles", format_count),
     ("measured optimizer steps", "measured_steps", format_count),
 )
 
 
-def efficiency_table(summary: dict[str, float], title: str, caption: str | None = None) -> Table:
-    """The ``EfficiencyMeter.summary()`` averages as a two-column table (``caption``: e.g. :func:`peaks_caption`)."""
+def efficiency_table(
+    summary: dict[str, float], title: str, caption: str | None = None, comm_note: str | None = None
+) -> Table:
+    """The ``EfficiencyMeter.summary()`` averages as a two-column table (``caption``: e.g. :func:`peaks_caption`).
+
+    ``comm_note`` says why the communication rows are missing (:func:`comm_note`); shown only when they are.
+    """
     from rich.table import Table
 
     table = Table(title=title, caption=caption)
@@ -61,7 +66,16 @@ def efficiency_table(summary: dict[str, float], title: str, caption: str | None 
     for label, key, fmt in _EFFICIENCY_ROWS:
         if key in summary:
             table.add_row(label, fmt(summary[key]))
+        elif key == "comm_gb_per_step" and comm_note is not None:
+            table.add_row("gradient comm", comm_note)
     return table
+
+
+def comm_note(strategy: str, world_size: int, has_comm_stats: bool) -> str | None:
+    """Why a run's table has no communication rows, or ``None`` when it should have them (or one rank has none)."""
+    if world_size < 2 or has_comm_stats:
+        return None
+    return f"not measured: {strategy} counts no collectives (no comm_stats); AccelDDP and AccelFSDP do"
 
 
 def peaks_caption(config: Mapping[str, Any]) -> str:

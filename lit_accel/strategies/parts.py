@@ -27,6 +27,7 @@ from lit_accel.strategies._global_batch import GlobalBatch
 from lit_accel.strategies._micro_batches import MicroBatchChange, MicroBatching
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
 from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
+from lit_accel.utilities._rank_errors import say_once
 from lit_accel.utilities._validation import check_number
 from lit_accel.utilities._workarounds import resume_finished_epoch
 
@@ -277,6 +278,7 @@ class AccelParts:
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)  # type: ignore[misc]
+        say_once(exception, self.global_rank, self.world_size)  # a configuration error: rank 0 says it, on one line
         # A rank that raised or was killed surfaces on the others as a transport error naming an address; say which
         # rank ended and how (rank 0 of a popen launch knows its children's exit codes and signals).
         if self.world_size > 1 and is_peer_loss(exception):

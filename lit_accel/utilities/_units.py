@@ -22,6 +22,7 @@ __all__ = [
     "format_flops_per_second",
     "format_percent",
     "format_seconds",
+    "scale_for_axis",
 ]
 
 _SI = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
@@ -44,6 +45,24 @@ def _si(value: float, unit: str, base_unit: str | None = None) -> str:
         if float(_sig3(magnitude / scale)) >= 1:
             return f"{_sig3(value / scale)} {prefix}{unit}"
     return f"{_sig3(value)} {base_unit or unit}"
+
+
+def scale_for_axis(largest: float, unit: str) -> tuple[float, str]:
+    """The divisor and unit for an axis whose largest value is ``largest`` (in ``unit``, ``"B"`` or ``"s"``).
+
+    Bytes take the SI prefix of the largest value (``6e3`` -> ``(1e3, "kB")``), seconds are shown in s, ms or µs; an
+    axis with nothing above zero keeps the base unit. The ticks then read 0-6 kB rather than 0.000-0.006 MB.
+    """
+    magnitude = abs(largest) if math.isfinite(largest) else 0.0
+    if unit == "s":
+        for scale, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+            if magnitude >= scale:
+                return scale, name
+        return 1.0, "s"
+    for scale, prefix in _SI:
+        if magnitude >= scale:
+            return scale, f"{prefix}{unit}"
+    return 1.0, unit
 
 
 def format_flops_per_second(flops_per_second: float) -> str:

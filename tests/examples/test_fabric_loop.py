@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def _scale_path(steps: int) -> list[dict[str, float]]:
     """torch's dynamic loss scaling (hysteresis 1): the scaler's state after each optimizer step."""
     scale, tracker, skipped, growths, backoffs, states = ARGS.init_scale, 0, 0, 0, 0, []
     for step in range(steps):
-        if step == OVERFLOW_AT:
+        if step + 1 == OVERFLOW_AT:  # the script counts steps from 1, as it prints them
             scale, tracker, skipped, backoffs = scale / 2, 0, skipped + 1, backoffs + 1
         else:
             tracker += 1
@@ -62,7 +63,7 @@ def test_the_readme_shows_this_command():
 def run() -> tuple[list[dict], dict, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)  # let Fabric pick a free port
-    command = [sys.executable, *shlex.split(COMMAND)[1:]]
+    command = [sys.executable, *shlex.split(COMMAND)[1:], "--json"]  # the readable lines, and the figures as JSON
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
@@ -93,6 +94,19 @@ def test_loss_scale_figures_follow_the_scalers_rule_with_the_injected_overflow(r
     assert len(others) == RANKS - 1 and all(checksum == first for checksum in others)
 
 
+def test_each_logging_step_prints_a_readable_line_naming_the_skipped_step(run):
+    windows, _, stdout = run
+    lines = [line for line in stdout.splitlines() if re.match(r"step +\d+/\d+ \| loss ", line)]
+    assert [int(re.match(r"step +(\d+)", line).group(1)) for line in lines] == [w["step"] for w in windows]
+    skipped = [line for line in lines if "skipped" in line]
+    # the injected overflow's step, by number, in the window that holds it, and in no other
+    assert len(skipped) == 1 and f"skipped step {OVERFLOW_AT} (inf/NaN gradients" in skipped[0]
+    assert lines.index(skipped[0]) == (OVERFLOW_AT - 1) // ARGS.log_every
+    first = lines[0]
+    assert "samples/s" in first and "step time" in first and "loss scale 512" in first
+    assert "{" not in first  # not a dict of 16-digit floats
+
+
 def test_efficiency_figures_count_both_ranks_and_the_mlps_flops(run):
     windows, summary, stdout = run
     hidden, global_batch = ARGS.hidden, ARGS.batch_size * RANKS
@@ -112,3 +126,4 @@ def test_efficiency_figures_count_both_ranks_and_the_mlps_flops(run):
         assert not any(key.startswith("perf/comm_") for key in figures)  # Fabric's DDP exposes no comm stats
         assert "perf/mfu" not in figures  # no peak given for a CPU
     assert "samples/s (global)" in stdout  # the EfficiencyMonitor's table
+    assert "not measured: Fabric's DDPStrategy counts no" in stdout  # the table says why it has no comm rows

@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_accel import AccelDDP, AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor
-from tests.examples._scripts import imported_example
+from tests.examples._scripts import imported_example, unexpected_stderr_lines
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
 
@@ -115,6 +115,19 @@ def test_a_misspelled_key_is_named_before_anything_starts(vit_cli, tmp_path, cap
     assert "Option 'global_batch_sise' is not accepted" in capsys.readouterr().err
 
 
+def test_a_global_batch_that_cannot_divide_stops_before_any_process_starts(vit_cli, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        vit_cli.ViTCLI(vit_cli.ViTClassifier, vit_cli.ViTData, save_config_callback=None,
+                       args=["fit", "--config", str(CONFIG), f"--output_dir={tmp_path}", "--trainer.devices=2",
+                             "--trainer.strategy.global_batch_size=48"])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: AccelDDP(global_batch_size=48) cannot be split into loaded batches of 16 x 2")
+    assert err[-1].endswith("Fix: global_batch_size=32 (1 accumulation step) or 64 (2 accumulation steps), or a train"
+                            " dataloader batch_size of 12 or 24.")  # fmt: skip
+    assert not (tmp_path / "metrics.csv").exists()  # nothing ran
+
+
 def test_the_model_summary_counts_the_forward_flops_of_one_image(vit_cli, tmp_path):
     from lightning.pytorch.utilities.model_summary import ModelSummary
 
@@ -131,6 +144,14 @@ def test_two_cpu_processes_train_from_the_yaml(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     assert "AccelDDP: global batch 32 = 16 per device x 1 accumulation x 2 devices" in output
+    # a quiet console: upstream lines, our notes, and the YAML's LossScaleMonitor saying once that fp32 has no scale
+    fp32_note = r"LossScaleMonitor: nothing to log: precision '32-true' .*"
+    assert unexpected_stderr_lines(proc.stderr, (fp32_note,)) == [], proc.stderr[-4000:]
+    # the training curves, from the run's metrics: the validation at the stop is the one metrics.csv holds
+    history = json.loads((tmp_path / "training.json").read_text())
+    assert (tmp_path / "training.png").stat().st_size > 0
+    assert [v["val_acc"] for v in history["validations"]] == pytest.approx(_val_acc(tmp_path / "metrics.csv"))
+    assert [row["step"] for row in history["steps"]] == []  # 4 steps, logging every 10: no training point yet
     flops = re.search(r"Total FLOPs: ([\d.]+) ?([KMGT]?)", output)
     assert flops and float(flops.group(1)) > 0, output[-3000:]
     assert re.search(r"validation accuracy \d+\.\d+% after 4 optimizer steps", output)

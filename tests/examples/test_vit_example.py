@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from tests.examples._scripts import imported_example
+from tests.examples._scripts import imported_example, unexpected_stderr_lines
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -44,12 +44,25 @@ def vit_data(vit):
 def _run(args: list[str], timeout: float, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
     env.pop("OMP_NUM_THREADS", None)  # let the launcher pick one thread per process
+    env.pop("LIT_ACCEL_EXAMPLE_RUN_DIR", None)  # an in-process run of this session left it for its own children
     command = [*(launcher or [sys.executable]), str(SCRIPT), *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _fail_message(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+
+
+def _assert_quiet(stderr: str) -> None:
+    """Only listed upstream lines and our notes, the CPU peak notice at most once, no warning of ours."""
+    assert unexpected_stderr_lines(stderr) == [], stderr[-4000:]
+    assert stderr.count("no peak FLOP/s known") <= 1
+
+
+def _only_run(output: Path) -> Path:
+    """The one run folder a run with ``--output output`` made."""
+    (run,) = [path for path in output.iterdir() if path.is_dir()]
+    return run
 
 
 def _metric_rows(path: Path, key: str) -> list[float]:
@@ -73,6 +86,8 @@ def test_cli_two_cpu_processes_train_and_print_the_final_table(tmp_path, vit):
     assert proc.returncode == 0, _fail_message(proc)
     assert TABLE_TITLE in proc.stdout, _fail_message(proc)
     assert "Traceback" not in proc.stderr
+    _assert_quiet(proc.stderr)
+    tmp_path = _only_run(tmp_path)  # --output-dir is the parent of the run folder (timm's --output)
     # the model summary ran one example image through the model (it printed "Total FLOPs: 0" without one)
     flops = re.search(r"Total FLOPs: ([\d.]+)", proc.stdout)
     assert flops and float(flops.group(1)) > 0, _fail_message(proc)
@@ -102,6 +117,7 @@ def test_cli_two_cpu_processes_train_and_print_the_final_table(tmp_path, vit):
     assert math.isfinite(results["train_loss"])
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 4
+    assert results["output_dir"] == str(tmp_path)
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert config["model"] == "vit_tiny_patch16_224"
     assert config["accumulate"] == accumulate
@@ -112,7 +128,7 @@ def test_torchrun_two_cpu_processes_with_syncbn_on_a_batchnorm_model(tmp_path):
     proc = _run(
         [
             "--accelerator", "cpu", "--devices", "2", "--max-steps", "3", "--data", "digits",
-            "--model", "resnet18", "--batch-size", "16", "--output-dir", str(tmp_path),
+            "--model", "resnet18", "--batch-size", "16", "--output", str(tmp_path),
         ],
         timeout=240,
         launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
@@ -120,7 +136,7 @@ def test_torchrun_two_cpu_processes_with_syncbn_on_a_batchnorm_model(tmp_path):
     assert proc.returncode == 0, _fail_message(proc)
     assert TABLE_TITLE in proc.stdout, _fail_message(proc)
     assert "BatchNorm layers, synchronised across 2 devices" in proc.stdout
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((_only_run(tmp_path) / "results.json").read_text())  # rank 1 made no folder of its own
     assert results["world_size"] == 2
     # every BatchNorm of the model was a SyncBatchNorm while fitting (counted in on_train_start)
     assert results["sync_batchnorm_layers"] == results["batchnorm_layers"] > 0
@@ -129,11 +145,11 @@ def test_torchrun_two_cpu_processes_with_syncbn_on_a_batchnorm_model(tmp_path):
 
 
 def test_fp8_mixed_trains_the_digits_vit_and_evaluates(tmp_path):
-    proc = _run(["--max-steps", "3", "--precision", "fp8-mixed", "--output-dir", str(tmp_path)], timeout=240)
+    proc = _run(["--max-steps", "3", "--precision", "fp8-mixed", "--output", str(tmp_path)], timeout=240)
     assert proc.returncode == 0, _fail_message(proc)
     # every Linear of the blocks converts (emulated on CPU); the 10-class head cannot (10 is no multiple of 16)
     assert re.search(r"FP8 \(torchao, emulated on cpu.*\): 16 of 17 Linear layers converted", proc.stdout + proc.stderr)
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((_only_run(tmp_path) / "results.json").read_text())
     assert results["precision"] == "fp8-mixed" and math.isfinite(results["train_loss"])
     assert 0.0 <= results["val_acc"] <= 1.0  # the closing validation ran (outside inference mode, see precision.md)
 
@@ -150,17 +166,19 @@ def test_cli_global_batch_not_divisible_is_a_one_line_error(tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: --global-batch-size 100 is not divisible by")
     assert "8 x 2 devices = 16" in lines[0]
-    assert not (tmp_path / "results.json").exists()
+    # lit_accel's plan names the nearest valid choices, in the flags' words
+    assert lines[0].endswith("Fix: --global-batch-size 96 or 112, or --batch-size 5 or 10"), lines[0]
+    assert not any(tmp_path.iterdir())  # said before any process started: no run folder
 
 
 @pytest.mark.slow
 def test_default_cpu_run_reaches_90_percent_on_digits(tmp_path):
     # The default command without a GPU (issue #8 acceptance): a small ViT on scikit-learn's digits.
     start = time.perf_counter()
-    proc = _run(["--accelerator", "cpu", "--output-dir", str(tmp_path)], timeout=900)
+    proc = _run(["--accelerator", "cpu", "--output", str(tmp_path)], timeout=900)
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, _fail_message(proc)
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((_only_run(tmp_path) / "results.json").read_text())
     print(f"\ndigits default: val_acc={results['val_acc']:.4f} fit={results['fit_seconds']:.1f}s wall={elapsed:.1f}s")
     assert results["data"] == "digits"
     assert results["val_acc"] >= 0.90
@@ -351,7 +369,7 @@ def test_image_folder_uses_timm_transforms_and_trains(vit, vit_data, tmp_path, m
     argv = ["--accelerator", "cpu", "--data", str(root), "--model", vit.DIGITS_MODEL, "--img-size", "16"]
     argv += ["--batch-size", "4", "--accumulate", "1", "--max-steps", "2", "--num-workers", "0"]
     assert vit.main([*argv, "--output-dir", str(out)]) == 0
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((_only_run(out) / "results.json").read_text())
     assert (results["data"], results["optimizer_steps"]) == (str(root), 2)
     assert 0.0 <= results["val_acc"] <= 1.0
 

@@ -44,9 +44,43 @@ def test_the_loss_scale_and_memory_figures_show_their_series():
     assert _labels(skipped) == ["skipped steps (cumulative)"]
     memory = [{"step": 1, "params_mb": 1.0, "grads_mb": 1.0, "optimizer_mb": 2.0, "activations_mb": 3.0,
                "param_casts_mb": 0.0}]  # fmt: skip
-    (axes,) = memory_figure(memory, "mem").axes
-    assert axes.get_title() == "memory by kind (largest rank)"
+    (axes,) = memory_figure(memory, "mem", world_size=2).axes
+    assert axes.get_title() == "memory by kind (largest of 2 ranks)"
     assert _labels(axes) == ["parameters", "gradients", "optimizer state", "activations"]  # no autocast: no casts
+    (one,) = memory_figure(memory, "mem").axes
+    assert one.get_title() == "memory by kind"  # one rank: no "largest" to speak of
+
+
+def test_the_efficiency_figure_starts_at_zero_and_draws_no_comm_band_without_comm_figures():
+    # One process (or a strategy without comm figures): no exposed-comm key in any window.
+    windows = [{"step": 4, "samples_per_sec": 900.0, "step_time_ms": 2500.0, "data_wait_frac": 0.2},
+               {"step": 9, "samples_per_sec": 1000.0, "step_time_ms": 2000.0, "data_wait_frac": 0.1}]  # fmt: skip
+    throughput, breakdown = efficiency_figure(windows, "run").axes
+    assert _labels(breakdown) == ["compute", "data wait"]
+    assert throughput.get_ylim()[0] == 0.0 and breakdown.get_ylim()[0] == 0.0
+    assert breakdown.get_ylabel() == "s per step"  # 2.5 s steps read in seconds, not 2500 ms
+    assert breakdown.collections[-1].get_paths()[0].vertices[:, 1].max() == pytest.approx(2.5)
+
+
+def _lines(axes) -> dict:
+    return {line.get_label(): line for line in axes.get_lines()}
+
+
+def test_the_memory_figure_picks_its_unit_starts_at_zero_and_keeps_each_kinds_colour():
+    small = [{"step": s, "params_mb": 0.006, "grads_mb": 0.006, "optimizer_mb": 0.012, "activations_mb": 0.002}
+             for s in (1, 3)]  # fmt: skip
+    (axes,) = memory_figure(small, "mem").axes
+    assert axes.get_ylabel() == "kB" and axes.get_ylim()[0] == 0.0
+    lines = _lines(axes)
+    assert list(lines["parameters"].get_ydata()) == pytest.approx([6.0, 6.0])  # 0.006 MB = 6 kB
+    # parameters and gradients of equal size: different styles, so neither hides the other
+    assert lines["parameters"].get_linestyle() != lines["gradients"].get_linestyle()
+    # colours are fixed per kind, whatever else the picture shows
+    (other,) = memory_figure([{"step": 1, "params_mb": 2e3, "activations_mb": 5e3}], "mem").axes
+    assert other.get_ylabel() == "GB"
+    for label in ("parameters", "activations"):
+        assert _lines(other)[label].get_color() == lines[label].get_color()
+    assert lines["parameters"].get_color() != lines["activations"].get_color()
 
 
 def _fit_with_the_three_monitors(tmp_path) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -9,7 +11,7 @@ from torch import nn
 
 from lit_accel import MemoryMeter
 from lit_accel.meters._memory_table import memory_table
-from lit_accel.meters.tables import efficiency_table, peaks_caption
+from lit_accel.meters.tables import comm_note, efficiency_table, peaks_caption
 
 
 def _text(table: Table) -> str:
@@ -31,9 +33,23 @@ def test_the_efficiency_table_picks_each_unit_by_magnitude():
         "measured_steps": 1234.0,
     }
     text = _text(efficiency_table(summary, "run"))
-    for piece in ("3.21 GFLOP/s", "512 kB", "2.50 kB", "12.3 MB/s", "42.0 µs", "45.7%", "0.123%", "1,234", "-1"):
+    for piece in ("3.21 GFLOP/s", "512 kB", "2.50 kB", "12.3 MB/s", "42.0 µs", "45.7%", "0.123%", "1,234"):
         assert piece in text, piece
     assert "0.00" not in text and "TFLOP/s" not in text and "GB" not in text
+    # words, not sentinels: no straggler reads "none", a named one "rank 1"
+    assert re.search(r"straggler\s+│\s+none", text) and "-1" not in text
+    assert re.search(r"straggler\s+│\s+rank 1", _text(efficiency_table({"straggler_rank": 1.0}, "run")))
+
+
+def test_the_table_says_why_comm_figures_are_absent():
+    note = comm_note("DDPStrategy", world_size=2, has_comm_stats=False)
+    assert note == "not measured: DDPStrategy counts no collectives (no comm_stats); AccelDDP and AccelFSDP do"
+    text = _text(efficiency_table({"samples_per_sec": 10.0}, "run", comm_note=note))
+    assert "gradient comm" in text and "DDPStrategy counts no collectives" in text
+    # the note only stands in for missing rows: with comm figures, or on one rank, there is none
+    assert "counts no" not in _text(efficiency_table({"comm_gb_per_step": 1.0}, "run", comm_note=note))
+    assert comm_note("DDPStrategy", world_size=1, has_comm_stats=False) is None
+    assert comm_note("AccelDDP", world_size=2, has_comm_stats=True) is None
 
 
 def test_the_caption_names_the_peak_table_entry_and_why():

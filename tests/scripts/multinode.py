@@ -18,6 +18,7 @@ makes global rank R SIGKILL itself when optimizer step S begins.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import signal
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lit_accel import AccelDDP, AccelSyncBatchNorm
@@ -35,6 +37,10 @@ from lit_accel import AccelDDP, AccelSyncBatchNorm
 GLOBAL_BATCH, MICRO_BATCH, SAMPLES, FEATURES = 32, 4, 256, 8
 # Printed by the rank that kills itself, with the wall-clock time, so the test can time the shutdown.
 KILL_MARKER = "KILLING_MYSELF_AT"
+
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name now warns); both stop the broadcast.
+_DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
+BUFFER_SYNC_OFF = {("forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"): False}
 
 
 def dataset() -> TensorDataset:
@@ -117,9 +123,9 @@ def main() -> None:
         strategy=AccelDDP(
             global_batch_size=GLOBAL_BATCH,
             sync_batchnorm=AccelSyncBatchNorm(group_size=2),
-            # DDP's default broadcast_buffers=True copies rank 0's running statistics to every rank at the start of
-            # each accumulation window, so node 1's would be node 0's plus a micro-batch: per-node statistics need off.
-            broadcast_buffers=False,
+            # DDP's default copies rank 0's running statistics to every rank at the start of each accumulation
+            # window, so node 1's would be node 0's plus a micro-batch: per-node statistics need it off.
+            **BUFFER_SYNC_OFF,
         ),
         max_steps=args.max_steps,
         use_distributed_sampler=False,

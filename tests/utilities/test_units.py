@@ -7,6 +7,7 @@ from lit_accel.utilities._units import (
     format_flops_per_second,
     format_percent,
     format_seconds,
+    scale_for_axis,
 )
 
 
@@ -71,3 +72,20 @@ def test_counts_have_thousands_separators():
     assert format_count(1234567) == "1,234,567"
     assert format_count(1234.56, decimals=1) == "1,234.6"
     assert format_count(float("nan")) == "nan"
+
+
+@pytest.mark.parametrize(
+    ("largest", "unit", "expected"),
+    [
+        (6e3, "B", (1e3, "kB")),  # a small model's parameters: ticks 0-6 kB, not 0.000-0.006 MB
+        (1.5e9, "B", (1e9, "GB")),
+        (512.0, "B", (1.0, "B")),
+        (0.0, "B", (1.0, "B")),  # nothing above zero: the base unit
+        (0.25, "s", (1e-3, "ms")),
+        (3.0, "s", (1.0, "s")),
+        (4e-5, "s", (1e-6, "µs")),
+        (float("nan"), "s", (1.0, "s")),
+    ],
+)
+def test_axis_units_follow_the_largest_value(largest, unit, expected):
+    assert scale_for_axis(largest, unit) == expected
