@@ -187,7 +187,7 @@ def check_loss_scaling(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         module = _mlp_module(ctx, fused=fused, lr=1e-2, inject_at=inject)
         trainer = _trainer(ctx, plugins=[plugin], callbacks=[snap, monitor], max_steps=steps)
         trainer.fit(module, train_dataloaders=_common.RepeatBatch(_regression_batch(ctx), steps))
-        stats = plugin.scaler_stats()
+        stats = plugin.scaler.scaler_stats()
         scale, skipped, growths, backoffs = torch.stack(
             [stats.scale.double(), stats.skipped_steps.double(), stats.growths.double(), stats.backoffs.double()]
         ).tolist()

@@ -21,6 +21,7 @@ from lit_accel.callbacks import (
     HangWatchdog,
     LossScaleMonitor,
     MemoryMonitor,
+    NonFiniteGuard,
     ProgressWatchdog,
 )
 from lit_accel.meters import EfficiencyMeter, LossScaleMeter, MemoryMeter
@@ -61,6 +62,7 @@ __all__ = [
     "LossScaleMonitor",
     "MemoryMeter",
     "MemoryMonitor",
+    "NonFiniteGuard",
     "ProgressWatchdog",
     "ScalerStats",
     "ScalerStatsProvider",

@@ -90,10 +90,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._counters: dict[str, Tensor] = {}
         self._pending_counts: dict[str, int] = {}  # loaded before the tensors exist
         self._first_min_scale_hit: Tensor | None = None
-        # Per optimizer (by id): was its last step skipped? A host bool when ``_maybe_opt_step`` read the flag anyway
-        # (non-fused optimizers), else the 0-d device flag (fused optimizers, which skip on the device).
-        self._host_skipped: dict[int, bool] = {}
-        self._last_skipped: dict[int, bool | Tensor] = {}
         self._grad_scale: Tensor | None = None
         if target is not None:
             self.to(target)
@@ -206,9 +202,10 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
     ) -> Any:
         # torch's version reads the found-inf flags with .item() and steps unless one is set; doing the same here
-        # keeps that (unavoidable) host value, so callers learn about skips without a second sync.
+        # keeps that (unavoidable) host value with the iteration's state, so callers learn about the skip without a
+        # second sync (``_compat.grad_scaler_step_skipped``); update() forgets it with the rest.
         skipped = bool(sum(flag.item() for flag in _compat.optimizer_state_found_infs(optimizer_state)))
-        self._host_skipped[id(optimizer)] = skipped
+        _compat.keep_host_found_inf(optimizer_state, skipped)
         return None if skipped else optimizer.step(*args, **kwargs)
 
     @override
@@ -220,23 +217,13 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._require("update")
         if new_scale is not None:
             super().update(new_scale)
-            self._host_skipped.clear()
             return
         scale, tracker = self._scale_tensor(), self._tracker_tensor()
         per_optimizer = _compat.grad_scaler_found_infs(self)
         if not any(per_optimizer.values()):
             raise RuntimeError("DynamicGradScaler.update(): no inf checks were recorded since the last update.")
-        total: Tensor | None = None
-        self._last_skipped = {}
-        for key, flags in per_optimizer.items():
-            if not flags:
-                continue
-            flag = flags[0] if len(flags) == 1 else torch.stack([f.to(scale.device) for f in flags]).sum()
-            self._last_skipped[key] = self._host_skipped.get(key, flag)
-            total = flag.to(scale.device) if total is None else total + flag.to(scale.device)
-        self._host_skipped.clear()
-        assert total is not None
-        self._apply_policy(total > 0, scale, tracker)
+        flags = [flag.to(scale.device) for per_device in per_optimizer.values() for flag in per_device]
+        self._apply_policy((flags[0] if len(flags) == 1 else torch.stack(flags).sum()) > 0, scale, tracker)
         _compat.reset_grad_scaler_iteration(self)
 
     def _apply_policy(self, overflow: Tensor, scale: Tensor, tracker: Tensor) -> None:
@@ -266,16 +253,14 @@ class DynamicGradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ reading
 
-    def last_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool | Tensor | None:
-        """Whether the optimizer's last step was skipped: a host bool when known for free, else a 0-d device flag.
+    @property
+    def loss_scaling(self) -> bool:
+        """Always True: a ``DynamicGradScaler`` cannot be disabled (the ``ScalerStatsProvider`` protocol)."""
+        return True
 
-        ``None`` before its first step. Turning a device flag into a bool (``bool(flag)``) is a host sync.
-        """
-        return self._last_skipped.get(id(optimizer))
-
-    def stats(self) -> ScalerStats:
-        """Snapshot of scale and counters as 0-d device tensors (no host sync)."""
-        self._require("stats")
+    def scaler_stats(self) -> ScalerStats:
+        """Snapshot of scale and counters as 0-d device tensors (no host sync): what ``LossScaleMonitor`` reads."""
+        self._require("scaler_stats")
         c = self._counters
         return ScalerStats(
             scale=self._scale_tensor().detach().clone(),

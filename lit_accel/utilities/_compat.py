@@ -105,9 +105,47 @@ def grad_scaler_found_infs(scaler: torch.amp.GradScaler) -> dict[int, list[torch
 def reset_grad_scaler_iteration(scaler: torch.amp.GradScaler) -> None:
     """Forget the per-optimizer stages and found-inf flags, as ``GradScaler.update()`` does at its end.
 
-    ``_per_optimizer_states`` is a ``defaultdict``: ``clear()`` keeps its factory.
+    ``_per_optimizer_states`` is a ``defaultdict`` (``clear()`` keeps its factory); a disabled scaler has none.
     """
-    scaler._per_optimizer_states.clear()
+    if scaler.is_enabled():
+        scaler._per_optimizer_states.clear()
+
+
+#: The key under which ``DynamicGradScaler`` keeps torch's host read of the found-inf flags in the iteration's
+#: per-optimizer state (``GradScaler._per_optimizer_states[id(optimizer)]``, a plain dict that ``update()`` drops).
+_HOST_FOUND_INF = "lit_accel_found_inf_on_host"
+
+
+def keep_host_found_inf(optimizer_state: dict[str, Any], skipped: bool) -> None:
+    """Keep the host value of an optimizer's found-inf flags with the rest of its iteration state."""
+    optimizer_state[_HOST_FOUND_INF] = skipped
+
+
+def grad_scaler_step_skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+    """Whether ``scaler.step(optimizer)`` just skipped the step; call it between ``step()`` and ``update()``.
+
+    A host bool where the scaler kept torch's own read (``DynamicGradScaler`` with a non-fused optimizer), else the
+    0-d device flag, read without a sync (fused optimizers skip on the device; a plain ``GradScaler`` keeps no copy).
+    """
+    state = scaler._per_optimizer_states.get(id(optimizer)) if scaler.is_enabled() else None
+    if state is None or not state["found_inf_per_device"]:
+        return False
+    if _HOST_FOUND_INF in state:
+        return state[_HOST_FOUND_INF]
+    flags = optimizer_state_found_infs(state)
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
+
+
+def set_fused_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+    """Hand a fused optimizer (``_step_supports_amp_scaling``) a found-inf flag: its kernel skips the step when set.
+
+    The attribute contract ``GradScaler.step`` uses: torch's fused Adam/AdamW/SGD/Adagrad read ``found_inf`` (and
+    ``grad_scale``) with ``getattr`` after running the closure. ``None`` removes it.
+    """
+    if found_inf is not None:
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    elif hasattr(optimizer, "found_inf"):
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def reset_grad_scaler_tensors(scaler: torch.amp.GradScaler, device_type: str) -> None:

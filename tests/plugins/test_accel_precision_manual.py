@@ -74,7 +74,7 @@ def test_several_optimizers_on_one_backward_unscale_with_the_scale_of_their_grad
     plugin = AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=1))
     _fit(model, plugin, steps=2 * 4)  # global_step counts both optimizers' steps: 4 iterations
     assert model.seen == [(name, 8.0) for _ in range(4) for name in "ab"]  # 2 samples x 4 ones, unscaled
-    stats = plugin.scaler_stats()
+    stats = plugin.scaler.scaler_stats()
     assert stats.scale.item() == 2.0**12  # one update per optimizer step
     assert stats.growths.item() == 8
 
@@ -131,7 +131,7 @@ def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once():
                 assert torch.equal(pl_module.a.weight, before_a)
 
     _fit(model, plugin, steps=2 * 3, callbacks=[Snapshot()])
-    stats = plugin.scaler_stats()
+    stats = plugin.scaler.scaler_stats()
     # The head's finite gradient after the overflowing iteration is still unscaled with the scale it was made with.
     assert [g for name, g in model.seen if name == "b"] == [8.0, 8.0, 8.0]
     assert stats.scale.item() == 2.0**3  # backed off once for the one bad iteration
@@ -146,7 +146,7 @@ def test_hysteresis_counts_optimizer_steps():
         "16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=100, hysteresis=2)
     )
     _fit(model, plugin, steps=2 * 3)
-    stats = plugin.scaler_stats()
+    stats = plugin.scaler.scaler_stats()
     assert stats.scale.item() == 2.0**3
     assert stats.skipped_steps.item() == 2 and stats.backoffs.item() == 1
 
@@ -159,7 +159,7 @@ def test_reading_the_scale_between_two_optimizers_changes_nothing():
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.scales.append(trainer.precision_plugin.loss_scale)
-            trainer.precision_plugin.scaler_stats()
+            trainer.precision_plugin.scaler.scaler_stats()
 
     model, reader = TwoOptimizers(), Reader()
     _fit(
