@@ -164,6 +164,7 @@ def test_stats_are_device_tensor_snapshots():
     param, opt = _param_and_opt()
     _step(scaler, param, opt, overflow=True)
     stats = scaler.scaler_stats()
+    assert isinstance(scaler, ScalerStatsProvider) and scaler.loss_scaling  # what LossScaleMonitor reads
     assert isinstance(stats, ScalerStats)
     assert stats.scale.dtype == torch.float32
     assert all(t.dtype == torch.int64 and t.shape == () for t in stats[1:])
