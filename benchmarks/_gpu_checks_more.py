@@ -130,7 +130,7 @@ def fp8_hardware(ctx: dict[str, Any]) -> bool:
 
 def vit_arm(ctx: dict[str, Any], strategy: str, precision: str, compiled: bool) -> dict[str, Any]:
     """One ViT fit (``strategy`` "ddp" or "fsdp"): images/s, losses, the EfficiencyMonitor's figures; run once."""
-    from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor
+    from lit_accel import AccelDDP, AccelFSDP, EfficiencyMonitor
 
     spec = vit_spec(ctx)
     key = (strategy, precision, compiled, spec["model"], spec["batch"], str(ctx["device"]))
@@ -143,17 +143,17 @@ def vit_arm(ctx: dict[str, Any], strategy: str, precision: str, compiled: bool) 
     # watchdog would end the whole script. The same for every arm, so the comparisons stay paired.
     options = dict(compile=compile_arg, hang_timeout=None)
     strat = AccelFSDP(**options) if strategy == "fsdp" else AccelDDP(**options)
-    plugin = AccelPrecision(precision, float8=_float8(ctx)) if precision == "fp8-mixed" else AccelPrecision(precision)
+    plugins = _common.precision_plugins(precision, **({"float8": _float8(ctx)} if precision == "fp8-mixed" else {}))
     clock = _Clock(ctx, spec["warmup"])
     monitor = EfficiencyMonitor(warmup_steps=spec["warmup"], print_summary=False, peak_flops=ctx["peak"])
     n = spec["warmup"] + spec["steps"]
     module = classifier(build_vit(spec), spec["lr"])
-    trainer = _trainer(ctx, strategy=strat, plugins=[plugin], callbacks=[clock, monitor], max_steps=n)
+    trainer = _trainer(ctx, strategy=strat, plugins=plugins, callbacks=[clock, monitor], max_steps=n)
     start = time.perf_counter()
     try:
         trainer.fit(module, train_dataloaders=_common.RepeatBatch(vit_batch(spec, spec["batch"], ctx["device"]), n))
         summary = dict(monitor.summary)  # keys may change: read with .get
-        report = plugin.float8_report
+        report = plugins[0].float8_report if plugins else None
         result = {
             "images_per_s": spec["batch"] * spec["steps"] / (clock.t1 - clock.t0),
             "losses": torch.stack(module.losses).float().tolist(),

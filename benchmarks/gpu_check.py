@@ -16,15 +16,14 @@ Nine checks, each a row (or a few) of the final table:
    through a ``TorchFunctionMode``) and ``torch.cuda.synchronize`` calls. Plain Lightning (``DDPStrategy`` +
    ``MixedPrecision``) and lit_accel (``AccelDDP`` + ``AccelPrecision`` + ``LossScaleMonitor`` +
    ``EfficiencyMonitor``) run the same model with ``AdamW(fused=True)``; lit_accel must add 0 per step in
-   ``16-mixed`` and in ``bf16-mixed`` (``on_nonfinite="raise"``, whose flag travels to pinned host memory and is read
+   ``16-mixed`` and in ``bf16-mixed`` (``NonFiniteGuard()``, whose flag travels to pinned host memory and is read
    a step later, and ``"skip"``). A positive control with a non-fused ``AdamW`` must show the 1 sync the
-   ``AccelPrecision`` docstring documents there (``GradScaler`` reads the found-inf flag), so a 0 elsewhere is not a
-   blind counter.
-3. **ViT-B/16 throughput and MFU** in fp32 (TF32 off), bf16-mixed and 16-mixed through ``AccelPrecision``, fused AdamW,
-   at ``--batch`` images (halved on out-of-memory; the largest that fits fp32 is used for all three), synthetic data
-   already on the GPU. images/s from CUDA-synchronised wall time over the timed steps; MFU = FLOPs per image
-   (``FlopCounterMode``, forward + backward) x images/s / the dense datasheet peak for the precision, and the
-   ``EfficiencyMonitor``'s own MFU beside it. Mixed precision must beat fp32.
+   guard documents there (the flag decides whether the step runs), so a 0 elsewhere is not a blind counter.
+3. **ViT-B/16 throughput and MFU** in fp32 (TF32 off; Lightning's plugin), bf16-mixed and 16-mixed through
+   ``AccelPrecision``, fused AdamW, at ``--batch`` images (halved on out-of-memory; the largest that fits fp32 is
+   used for all three), synthetic data already on the GPU. images/s from CUDA-synchronised wall time over the timed
+   steps; MFU = FLOPs per image (``FlopCounterMode``, forward + backward) x images/s / the dense datasheet peak for
+   the precision, and the ``EfficiencyMonitor``'s own MFU beside it. Mixed precision must beat fp32.
 4. **SyncBN on CUDA uses torch's fused kernels and matches the portable path.** ``AccelSyncBatchNorm("auto")`` must
    resolve to ``torch.nn.SyncBatchNorm`` on CUDA + NCCL; then two processes (NCCL on two GPUs, or gloo sharing one
    GPU) run a BatchNorm2d training forward + backward three ways - torch's ``SyncBatchNorm``, lit_accel's portable
@@ -326,11 +325,11 @@ def _sync_window(ctx: dict[str, Any], start: int, stop: int) -> Any:
     return SyncWindow()
 
 
-def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, on_nonfinite: str, fused: bool) -> dict[str, Any]:
+def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, action: str, fused: bool) -> dict[str, Any]:
     from lightning.pytorch.plugins import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, NonFiniteGuard
 
     start, stop, steps = 6, 12, 14
     window = _sync_window(ctx, start, stop)
@@ -341,8 +340,10 @@ def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, on_nonfinite: str, 
         callbacks = [window]
     else:
         strategy = AccelDDP()
-        plugins = [AccelPrecision(precision, on_nonfinite=on_nonfinite)]  # type: ignore[arg-type]
+        plugins = [AccelPrecision(precision)]  # type: ignore[arg-type]
         callbacks = [window, LossScaleMonitor(), EfficiencyMonitor(warmup_steps=3, print_summary=False)]
+        if precision != "16-mixed":  # the guard of bf16 (fp16's scaler checks its own steps)
+            callbacks.append(NonFiniteGuard(action=action))  # type: ignore[arg-type]
     trainer = _trainer(
         ctx, strategy=strategy, plugins=plugins, callbacks=callbacks, max_steps=steps, log_every_n_steps=50
     )
@@ -359,9 +360,9 @@ def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, on_nonfinite: str, 
 
 def check_syncs(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     rows, data = [], {}
-    # (precision, on_nonfinite, fused, syncs lit_accel adds per step according to the AccelPrecision docstring). The
-    # last is a positive control: the guard of a non-fused optimizer reads its found-inf flag on the host (documented
-    # 1 sync), and the counter must see it - a count of 0 elsewhere then means something.
+    # (precision, NonFiniteGuard action, fused, syncs lit_accel adds per step according to docs/precision.md). The
+    # last is a positive control: the guard of a non-fused optimizer reads its flag on the host (documented 1 sync),
+    # and the counter must see it - a count of 0 elsewhere then means something.
     configs = [
         ("16-mixed", "raise", True, 0),
         ("bf16-mixed", "raise", True, 0),
@@ -370,15 +371,15 @@ def check_syncs(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     ]
     what = "CUDA syncs" if ctx["cuda"] else "host reads (CPU stand-in)"
     key = "debug_mode_syncs_per_step" if ctx["cuda"] else "host_reads_per_step"
-    for precision, on_nonfinite, fused, documented in configs:
-        arms = {arm: _sync_arm(ctx, arm, precision, on_nonfinite, fused) for arm in ("lightning", "lit_accel")}
+    for precision, action, fused, documented in configs:
+        arms = {arm: _sync_arm(ctx, arm, precision, action, fused) for arm in ("lightning", "lit_accel")}
         added = arms["lit_accel"][key] - arms["lightning"][key]
         added_explicit = (
             arms["lit_accel"]["synchronize_calls_per_step"] - arms["lightning"]["synchronize_calls_per_step"]
         )
         label = f"{precision}, {'fused AdamW' if fused else 'AdamW (control)'}"
         if precision == "bf16-mixed":
-            label += f", on_nonfinite='{on_nonfinite}'"
+            label += f", NonFiniteGuard(action='{action}')"
         data[label] = {**arms, "added_per_step": added, "added_synchronize_calls_per_step": added_explicit}
         result = "PASS" if added == documented and added_explicit == 0 else "FAIL"
         extra = ""
@@ -404,7 +405,7 @@ def check_vit(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     import timm
     from lightning.pytorch.callbacks import Callback
 
-    from lit_accel import AccelPrecision, EfficiencyMonitor
+    from lit_accel import EfficiencyMonitor
     from lit_accel.callbacks._flops import measure_flops
     from lit_accel.utilities._peak_flops import lookup_peak_flops
 
@@ -449,9 +450,8 @@ def check_vit(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         monitor = EfficiencyMonitor(warmup_steps=warmup, print_summary=False, peak_flops=ctx["peak"])
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        trainer = _trainer(
-            ctx, plugins=[AccelPrecision(precision)], callbacks=[clock, monitor], max_steps=warmup + steps
-        )
+        plugins = _common.precision_plugins(precision)  # fp32: Lightning's own plugin
+        trainer = _trainer(ctx, plugins=plugins, callbacks=[clock, monitor], max_steps=warmup + steps)
         module = _common.classifier(build(), lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True))
         trainer.fit(module, train_dataloaders=_common.RepeatBatch((x, y), warmup + steps))
         ips = batch_size * steps / (clock.end - clock.start)
