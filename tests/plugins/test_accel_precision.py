@@ -679,3 +679,64 @@ def test_ddp_fp16_ranks_skip_the_same_steps_and_stay_identical():
         assert _same(r0["params"], r1["params"])
         assert r0["moved"] and all(torch.isfinite(v).all() for v in r0["params"].values())
     assert _same(results[0]["ddp"]["params"], results[0]["accel_ddp"]["params"])
+
+
+OVERFLOWS_ON_RANK_1 = (1, 2, 6)  # two in a row, then one after a growth
+
+
+def _overflow_on_one_rank(rank, world_size):
+    from lit_accel import AccelDDP
+
+    pl.seed_everything(0)
+    model = Model(bad_steps=OVERFLOWS_ON_RANK_1 if rank == 1 else (), scheduler="step", lr=0.1)
+    plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8, growth_interval=2))
+    rec = Recorder()
+    trainer = pl.Trainer(
+        **small_trainer_kwargs(
+            devices=world_size,
+            strategy=AccelDDP(sync_batchnorm=False),
+            max_steps=9,
+            plugins=[plugin],
+            callbacks=[rec],
+            use_distributed_sampler=False,
+        )
+    )
+    trainer.fit(model, make_loader(make_dataset(144), 8, rank, world_size))
+    return rec.rows
+
+
+def _torch_scales(overflows, steps, **kwargs):
+    """torch's GradScaler, fed the same overflows: its scale after each step."""
+    scaler = torch.amp.GradScaler("cpu", **kwargs)
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scales = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(param.sum() * (INF if step in overflows else 1.0)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_an_overflow_on_one_rank_is_skipped_on_both_holds_the_lr_and_scales_as_torch():
+    """fp16 on 2 gloo ranks, overflows on rank 1 only: every rank skips those steps (weights and optimizer state
+    unchanged), the step-interval LR schedule holds still on them, and the scale follows torch's GradScaler."""
+    ranks = run_distributed(_overflow_on_one_rank, 2, init_process_group=False, timeout=120)
+    expected_scales = _torch_scales(OVERFLOWS_ON_RANK_1, 9, init_scale=2.0**8, growth_interval=2)
+    assert expected_scales == [256.0, 128.0, 64.0, 64.0, 128.0, 128.0, 64.0, 64.0, 128.0]  # grew and backed off
+    for rows in ranks:
+        assert [row["scale"] for row in rows] == expected_scales
+        taken = 0
+        for step, row in enumerate(rows):
+            skipped = step in OVERFLOWS_ON_RANK_1
+            before = rows[step - 1] if step else None
+            if skipped:
+                assert _same(row["params"], before["params"]) and _same(row["opt_state"], before["opt_state"])
+            else:
+                taken += 1
+                assert before is None or not _same(row["params"], before["params"])
+            assert row["lr"] == 0.1 * 0.5**taken, (step, row["lr"])  # StepLR(gamma=0.5) per step actually taken
+        assert [row["skipped"] for row in rows][-1] == len(OVERFLOWS_ON_RANK_1)
+    assert all(_same(a["params"], b["params"]) for a, b in zip(*ranks))  # the ranks stay identical
