@@ -14,7 +14,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lit_accel import AccelPrecision, DynamicGradScaler, NonFiniteGuard
 from lit_accel.utilities._workarounds import SkipAwareScheduler
-from tests.helpers import lightning_info_messages
+from tests.helpers import lightning_info_messages, make_dataset, make_loader, run_distributed, small_trainer_kwargs
 from tests.plugins.test_accel_precision import Model, Recorder, _fit, _same
 
 NAN = float("nan")
@@ -113,3 +113,36 @@ def test_skipped_steps_are_saved_and_restored():
 def test_an_unknown_action_is_refused():
     with pytest.raises(ValueError, match=r"NonFiniteGuard\(action='warn'\).*Fix"):
         NonFiniteGuard(action="warn")  # type: ignore[arg-type]
+
+
+BAD_STEP = 2
+
+
+def _nan_in_rank_zeros_shard(rank: int, world_size: int) -> dict[str, object]:
+    """AccelFSDP: a NaN in one element of rank 0's gradient shard only; rank 1's shards are all finite."""
+    import lightning.pytorch as pl
+
+    from lit_accel import AccelFSDP
+
+    class NaNInOneShard(pl.Callback):  # listed before the guard: Lightning calls callbacks in order
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if rank == 0 and trainer.global_step == BAD_STEP:
+                grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+                grad.to_local().view(-1)[0] = NAN  # the local shard of a DTensor gradient
+
+    pl.seed_everything(0, verbose=False)
+    model = Model(optimizer="adamw")
+    kwargs = small_trainer_kwargs(devices=world_size, max_steps=5, use_distributed_sampler=False)
+    trainer = pl.Trainer(strategy=AccelFSDP(), callbacks=[NaNInOneShard(), NonFiniteGuard()], **kwargs)
+    try:
+        trainer.fit(model, make_loader(make_dataset(80), 8, rank, world_size))
+    except RuntimeError as err:
+        return {"message": str(err), "step": trainer.global_step}
+    return {"message": "", "step": trainer.global_step}
+
+
+def test_sharded_gradients_are_checked_on_every_rank_together():
+    results = run_distributed(_nan_in_rank_zeros_shard, 2, init_process_group=False, timeout=120)
+    for result in results:  # rank 1 holds no NaN, yet stops at the same step: the check spans every rank's shards
+        assert f"NonFiniteGuard: non-finite gradients (inf/NaN) at optimizer step {BAD_STEP}" in result["message"]
+        assert result["step"] == BAD_STEP
