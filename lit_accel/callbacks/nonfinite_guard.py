@@ -107,7 +107,7 @@ class NonFiniteGuard(Callback):
 
     def _fused(self, trainer: pl.Trainer, optimizer: Optimizer, bad: Tensor) -> None:
         """The fused kernel skips the step on the device when ``found_inf`` is set: no sync here."""
-        _compat.set_fused_found_inf(optimizer, bad.to(torch.float32))
+        _set_found_inf(optimizer, bad.to(torch.float32))
         self._skipped[id(optimizer)] = bad
         if self.action == "raise":
             self._lagged.push(bad, tag=_where(trainer))
@@ -142,7 +142,7 @@ class NonFiniteGuard(Callback):
 
     def _release(self, trainer: pl.Trainer) -> None:
         for optimizer in trainer.optimizers:
-            _compat.set_fused_found_inf(optimizer, None)
+            _set_found_inf(optimizer, None)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -151,6 +151,18 @@ class NonFiniteGuard(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._count = int(state_dict.get("skipped_steps", 0))
+
+
+def _set_found_inf(optimizer: Optimizer, found_inf: Tensor | None) -> None:
+    """Hand a fused optimizer the flag its kernel skips the step on (``None``: take it back).
+
+    ``GradScaler.step``'s contract with ``_step_supports_amp_scaling`` optimizers: torch's fused Adam/AdamW/SGD/Adagrad
+    read ``found_inf`` with ``getattr`` after running the closure.
+    """
+    if found_inf is not None:
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    elif hasattr(optimizer, "found_inf"):
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def _where(trainer: pl.Trainer) -> tuple[int, int]:

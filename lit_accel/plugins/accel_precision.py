@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lit_accel.plugins import _precision_support as support
 from lit_accel.plugins._min_scale import MinScaleStop
-from lit_accel.plugins._precision_float8 import Float8Training, float8_conversion
+from lit_accel.plugins._precision_float8 import Float8Training
 from lit_accel.plugins.float8 import Float8Conversion, Float8Report, ModuleFilter
 from lit_accel.plugins.grad_scaler import DynamicGradScaler
 from lit_accel.utilities import _compat, _workarounds
@@ -88,8 +88,8 @@ class AccelPrecision(MixedPrecision):
         self.precision = precision  # type: ignore[assignment]
         self._device_arg = device
         self.min_scale_stop = MinScaleStop(name, on_min_scale, min_scale_check_interval)
-        conversion = float8_conversion(name, precision, float8, float8_filter)
-        self._float8 = None if conversion is None else Float8Training(conversion)
+        fp8 = precision == "fp8-mixed" or float8 is not None or float8_filter is not None
+        self._float8 = Float8Training(name, precision, float8, float8_filter) if fp8 else None
         #: The record of each optimizer's last step (by id): skipped or not, a 0-d device flag where only the device
         #: knows (fused optimizers, torch's GradScaler). Skip-aware schedulers read it through ``step_was_skipped``.
         self._skipped: dict[int, bool | Tensor] = {}
@@ -104,7 +104,7 @@ class AccelPrecision(MixedPrecision):
     @property
     def float8_report(self) -> Float8Report | None:
         """``"fp8-mixed"``: the Linear layers converted at setup and why the others were not (``None`` before)."""
-        return None if self._float8 is None else self._float8.report
+        return None if self._float8 is None else self._float8.conversion.report
 
     @property
     def loss_scale(self) -> float:
@@ -113,15 +113,9 @@ class AccelPrecision(MixedPrecision):
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps the ``DynamicGradScaler`` skipped for inf/NaN gradients (0 without a scaler). Syncs."""
-        if self.scaler is None:
-            return 0
-        if not isinstance(self.scaler, DynamicGradScaler):
-            raise TypeError(
-                f"{type(self).__name__}.skipped_steps: a torch.amp.GradScaler does not count them. Fix: pass"
-                " scaler=DynamicGradScaler(), or read amp/skipped_steps from LossScaleMonitor."
-            )
-        return int(self.scaler.state_dict()["skipped_steps"])
+        """fp16 optimizer steps a ``DynamicGradScaler`` skipped for inf/NaN gradients (else 0). Syncs."""
+        scaler = self.scaler
+        return int(scaler.state_dict()["skipped_steps"]) if isinstance(scaler, DynamicGradScaler) else 0
 
     def step_was_skipped(self, optimizer: Optimizer | None = None) -> bool:
         """Whether the last step of ``optimizer`` (of any optimizer, for ``None``) was skipped (``SkippedStepRecord``).

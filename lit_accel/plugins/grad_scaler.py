@@ -188,7 +188,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
         # keeps that (unavoidable) host value with the iteration's state, so callers learn about the skip without a
         # second sync (``_compat.grad_scaler_step_skipped``); update() forgets it with the rest.
         skipped = bool(sum(flag.item() for flag in _compat.optimizer_state_found_infs(optimizer_state)))
-        _compat.keep_host_found_inf(optimizer_state, skipped)
+        optimizer_state[_compat.HOST_FOUND_INF] = skipped
         return None if skipped else optimizer.step(*args, **kwargs)
 
     @override
@@ -202,9 +202,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
             super().update(new_scale)
             return
         scale = self._scale_tensor()
-        flags = [
-            flag.to(scale.device) for per_device in _compat.grad_scaler_found_infs(self).values() for flag in per_device
-        ]
+        flags = [flag.to(scale.device) for flag in _compat.grad_scaler_found_infs(self)]
         if not flags:
             raise RuntimeError("DynamicGradScaler.update(): no inf checks were recorded since the last update.")
         overflow = (flags[0] if len(flags) == 1 else torch.stack(flags).sum()) > 0

@@ -146,3 +146,19 @@ def test_sharded_gradients_are_checked_on_every_rank_together():
     for result in results:  # rank 1 holds no NaN, yet stops at the same step: the check spans every rank's shards
         assert f"NonFiniteGuard: non-finite gradients (inf/NaN) at optimizer step {BAD_STEP}" in result["message"]
         assert result["step"] == BAD_STEP
+
+
+@pytest.mark.parametrize("action", ["raise", "skip"])
+def test_lbfgs_which_runs_the_closure_itself_is_guarded(action):
+    guard, rec = NonFiniteGuard(action=action), Recorder()
+    model = Model(bad_steps={2}, bad_value=NAN, optimizer="lbfgs", lr=0.1)
+    if action == "raise":
+        with pytest.raises(RuntimeError, match=re.escape("optimizer step 2 (batch_idx 2)")):
+            _fit(model, None, steps=4, recorder=rec, callbacks=[guard])
+        assert _same(dict(model.named_parameters()), rec.rows[1]["params"])
+    else:
+        _fit(model, None, steps=4, recorder=rec, callbacks=[guard])
+        assert _same(rec.rows[2]["params"], rec.rows[1]["params"]) and not _same(
+            rec.rows[3]["params"], rec.rows[2]["params"]
+        )
+        assert guard.skipped_steps >= 1 and all(torch.isfinite(p).all() for p in model.parameters())
