@@ -22,7 +22,6 @@ __all__ = [
     "TORCH_SCALER_KEYS",
     "check_optimizers",
     "check_scaler",
-    "find_lightning_module",
     "has_grads",
     "refuse_self_unscaling",
     "resolve_precision",
@@ -137,21 +136,15 @@ def scaler_state_of(state_dict: dict[str, Any]) -> tuple[str | None, dict[str, A
 # ---------------------------------------------------------------------- the Trainer behind a model
 
 
-def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
-    try:
-        return module.trainer if module is not None else None
-    except RuntimeError:  # "not attached to a Trainer"
-        return None
-
-
-def find_lightning_module(model: nn.Module) -> pl.LightningModule | None:
-    """The LightningModule inside a strategy's wrappers (DDP -> Lightning's wrapper -> module)."""
+def trainer_of(model: nn.Module) -> pl.Trainer | None:
+    """The Trainer of the LightningModule inside a strategy's wrappers (DDP's ``module``), if it is attached to one."""
     import lightning.pytorch as pl
 
-    current: Any = model
     for _ in range(8):  # bounded: wrappers nest a few levels at most
-        if current is None or isinstance(current, pl.LightningModule):
-            return current
-        inner = getattr(current, "module", None)
-        current = inner if inner is not None else getattr(current, "_forward_module", None)
+        if isinstance(model, pl.LightningModule):
+            try:
+                return model.trainer
+            except RuntimeError:  # "not attached to a Trainer"
+                return None
+        model = getattr(model, "module", None)
     return None

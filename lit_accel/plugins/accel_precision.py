@@ -141,7 +141,7 @@ class AccelPrecision(MixedPrecision):
     ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
         """Place the scaler on the Trainer's device, refuse optimizers fp16 cannot drive, make schedulers skip-aware."""
         name = type(self).__name__
-        trainer = support.trainer_of(support.find_lightning_module(model))
+        trainer = support.trainer_of(model)
         device = trainer.strategy.root_device if trainer is not None else torch.device(self.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -177,7 +177,7 @@ class AccelPrecision(MixedPrecision):
         """``"fp8-mixed"``: convert the eligible Linear layers in place (before the strategy wraps or shards them)."""
         if self._float8 is None:
             return module
-        trainer = support.trainer_of(support.find_lightning_module(module))
+        trainer = support.trainer_of(module)
         device = trainer.strategy.root_device if trainer is not None else torch.device(self.device)
         return self._float8.convert(module, device)
 
