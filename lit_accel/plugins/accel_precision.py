@@ -143,13 +143,10 @@ class AccelPrecision(MixedPrecision):
         name = type(self).__name__
         trainer = support.trainer_of(model)
         device = trainer.strategy.root_device if trainer is not None else torch.device(self.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cpu", "cuda") or self._device_arg not in (None, device.type):
-            raise RuntimeError(
-                f"{name}(device={self._device_arg!r}) but the Trainer runs on {device}. Fix: pass device=None (the"
-                " default) to follow the Trainer; CPU and CUDA are supported."
-            )
+            supported = device.type in ("cpu", "cuda")
+            fix = "pass device=None (the default) to follow the Trainer" if supported else "train on CPU or CUDA"
+            raise RuntimeError(f"{name}(device={self._device_arg!r}) but the Trainer runs on {device}. Fix: {fix}.")
         self.device = device.type
         self._skipped = {}
         if self.scaler is None:
