@@ -19,6 +19,7 @@ from lit_accel.plugins._min_scale import MinScaleStop
 from lit_accel.plugins._precision_float8 import Float8Training
 from lit_accel.plugins.float8 import Float8Conversion, Float8Report, ModuleFilter
 from lit_accel.plugins.grad_scaler import DynamicGradScaler
+from lit_accel.protocols import SkippedStepRecord
 from lit_accel.utilities import _compat, _workarounds
 from lit_accel.utilities._validation import check_choice
 
@@ -158,9 +159,8 @@ class AccelPrecision(MixedPrecision):
         return model, optimizers, _workarounds.skip_aware_schedulers(lr_schedulers, self)
 
     def _mention_guard(self, trainer: pl.Trainer | None) -> None:
-        from lit_accel.callbacks.nonfinite_guard import NonFiniteGuard  # callbacks import plugins' users lazily
-
-        guarded = trainer is not None and any(isinstance(cb, NonFiniteGuard) for cb in trainer.callbacks)
+        # A callback that keeps the skip record (NonFiniteGuard, or a user's own) guards the steps.
+        guarded = trainer is not None and any(isinstance(cb, SkippedStepRecord) for cb in trainer.callbacks)
         if not (guarded or self._mentioned_guard):
             self._mentioned_guard = True
             rank_zero_info(

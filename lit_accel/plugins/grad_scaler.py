@@ -44,10 +44,11 @@ class DynamicGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` with hysteresis, ``min_scale``/``max_scale`` and on-device counters.
 
     Pass it to ``AccelPrecision("16-mixed", scaler=...)``; the plugin places it on the Trainer's device. It also
-    works on its own (a raw loop, or Lightning Fabric's ``MixedPrecision(scaler=...)``): without ``device`` its
-    tensors are created at the first ``scale()``, on the loss's device, as torch's are. ``load_state_dict`` restores
-    state (scale, tracker, streak, counters) but keeps the constructor's settings, so resuming with a lower
-    ``min_scale`` continues a run that stopped at the minimum.
+    works on its own (a raw loop, or Lightning's or Fabric's ``MixedPrecision(scaler=...)``): without ``device`` its
+    tensors are created at the first ``scale()``, on the loss's device, as torch's are. It is the
+    ``ScalerStatsProvider`` the ``LossScaleMonitor`` reads (``scaler_stats()``: device tensors, no sync).
+    ``load_state_dict`` restores state (scale, tracker, streak, counters) but keeps the constructor's settings, so
+    resuming with a lower ``min_scale`` continues a run that stopped at the minimum.
 
     Args:
         device: where the scale and counters live; ``None`` decides at ``to(device)`` or the first ``scale()``.
