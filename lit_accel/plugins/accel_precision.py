@@ -34,34 +34,28 @@ __all__ = ["AccelPrecision"]
 class AccelPrecision(MixedPrecision):
     """Lightning's ``MixedPrecision`` with a bounded fp16 loss scaler, skip-aware LR schedulers and FP8 Linear layers.
 
-    A drop-in: the same ``precision``, ``device`` string, ``scaler``, ``autocast_context_manager()`` and checkpoint
-    keys (readable both ways). Parameters, gradients and optimizer state stay fp32. With ``"16-mixed"`` a step with
-    inf/NaN gradients is skipped and does not advance step-interval LR schedulers, and a ``DynamicGradScaler`` stuck
-    at its ``min_scale`` stops the run with an explanation. Real fp16 works on CPU, so loss scaling is testable without
-    a GPU. bf16 has no loss scaler: the ``NonFiniteGuard`` callback keeps its inf/NaN gradients out of the weights.
-    Full precision needs no plugin. Details and the host-sync table: ``docs/precision.md``.
+    A drop-in: same ``precision``, ``device``, ``scaler``, ``autocast_context_manager()`` and checkpoint keys; fp32
+    master weights. With ``"16-mixed"`` a skipped step (inf/NaN gradients) does not advance step-interval LR schedulers,
+    and a ``DynamicGradScaler`` stuck at ``min_scale`` stops the run with an explanation; real fp16 on CPU too. bf16 has
+    no scaler: add the ``NonFiniteGuard`` callback. Full precision needs no plugin. Details: ``docs/precision.md``.
 
     Args:
-        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"fp8-mixed"`` (torchao FP8 Linear layers, bf16 autocast for the
-            rest; emulated on CPU); also Lightning's short forms ``16``, ``"16"`` and ``"bf16"``.
+        precision: ``"16-mixed"`` (or Lightning's ``16``, ``"16"``), ``"bf16-mixed"`` (``"bf16"``) or ``"fp8-mixed"``
+            (torchao FP8 Linear layers, bf16 autocast for the rest; emulated on CPU).
         device: ``"cpu"`` or ``"cuda"``; ``None`` follows the Trainer's device (set in ``connect()``).
-        scaler: the fp16 loss scaler, used as given: a :class:`~lit_accel.DynamicGradScaler` (default
-            ``DynamicGradScaler()``) or a ``torch.amp.GradScaler`` (torch's rule, no min-scale stop).
-        float8: ``"fp8-mixed"`` only: torchao's ``Float8LinearConfig`` (default: dynamic tensorwise scaling), or a
-            :class:`~lit_accel.plugins.Float8Conversion` (also sets ``emulate``). ``docs/precision.md``.
-        float8_filter: ``"fp8-mixed"`` only: a callable ``(module, name) -> bool`` choosing the Linear layers to
-            convert, or names (fnmatch patterns) of modules to leave out, e.g. ``["head"]``.
+        scaler: the fp16 loss scaler, used as given: a :class:`~lit_accel.DynamicGradScaler` (the default) or a
+            ``torch.amp.GradScaler`` (torch's rule, no min-scale stop).
+        float8, float8_filter: ``"fp8-mixed"`` only: torchao's ``Float8LinearConfig`` or a ``Float8Conversion``, and
+            which Linear layers to convert (a callable, or fnmatch names to leave out, e.g. ``["head"]``).
         on_min_scale: an overflow at the ``DynamicGradScaler``'s ``min_scale``: ``"raise"`` (default) or ``"warn"``.
         min_scale_check_interval: with fused optimizers, read the min-scale counter every this many steps.
 
     Raises:
-        ValueError: an unknown option (naming the closest precision), ``"32-true"``, or a scaler with bf16/FP8.
-        TypeError: ``scaler`` is not a ``torch.amp.GradScaler``; in ``connect()``: ``LBFGS`` with ``"16-mixed"``.
-        RuntimeError: at run time, the scale is at ``min_scale`` and still overflows (``on_min_scale="raise"``).
+        ValueError: an unknown option (naming the closest precision), ``"32-true"``, a scaler with bf16/FP8.
+        TypeError: ``scaler`` is not a ``GradScaler``; in ``connect()``: ``LBFGS`` with ``"16-mixed"``.
+        RuntimeError: while fitting, the scale is at ``min_scale`` and still overflows (``on_min_scale="raise"``).
 
     Example::
-
-        from lit_accel import AccelPrecision, DynamicGradScaler
 
         plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(hysteresis=2, growth_interval=1000))
         trainer = Trainer(accelerator="gpu", devices=8, strategy="accel_ddp", plugins=[plugin])

@@ -43,24 +43,19 @@ _INITIAL = [0, 0, 0, 0, 0, 0, -1]
 class DynamicGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` with hysteresis, ``min_scale``/``max_scale`` and on-device counters.
 
-    Pass it to ``AccelPrecision("16-mixed", scaler=...)``; the plugin places it on the Trainer's device. It also
-    works on its own (a raw loop, or Lightning's or Fabric's ``MixedPrecision(scaler=...)``): without ``device`` its
-    tensors are created at the first ``scale()``, on the loss's device, as torch's are. It is the
-    ``ScalerStatsProvider`` the ``LossScaleMonitor`` reads (``scaler_stats()``: device tensors, no sync).
-    ``load_state_dict`` restores state (scale, tracker, streak, counters) but keeps the constructor's settings, so
-    resuming with a lower ``min_scale`` continues a run that stopped at the minimum.
+    Pass it to ``AccelPrecision("16-mixed", scaler=...)``, which places it on the Trainer's device, or use it in a raw
+    loop or any ``MixedPrecision(scaler=...)``: without ``device`` its tensors are created at the first ``scale()``, on
+    the loss's device, as torch's are. It is the ``ScalerStatsProvider`` the ``LossScaleMonitor`` reads.
+    ``load_state_dict`` keeps the constructor's settings, so resuming with a lower ``min_scale`` continues a run that
+    stopped at the minimum.
 
     Args:
         device: where the scale and counters live; ``None`` decides at ``to(device)`` or the first ``scale()``.
-        init_scale: initial loss scale.
-        growth_factor: scale multiplier after ``growth_interval`` consecutive clean steps (> 1).
-        backoff_factor: scale multiplier after ``hysteresis`` consecutive overflows (in (0, 1)).
-        growth_interval: consecutive clean steps before the scale grows.
+        init_scale, growth_factor, backoff_factor, growth_interval: as torch's (``growth_factor > 1``,
+            ``backoff_factor`` in (0, 1)).
         hysteresis: consecutive overflowing steps tolerated (skipped) before the scale backs off; 1 is torch's rule.
-        min_scale: the scale never backs off below this; an overflow at it counts as a min-scale hit.
-        max_scale: the scale never grows above this.
-        dynamic: ``False`` keeps the scale at ``init_scale`` (static loss scaling); overflowing steps are still
-            skipped and counted.
+        min_scale, max_scale: the scale's bounds; an overflow at ``min_scale`` counts as a min-scale hit.
+        dynamic: ``False`` keeps the scale at ``init_scale``; overflowing steps are still skipped and counted.
 
     Raises:
         ValueError: a setting out of range. TypeError: a setting of the wrong type.
@@ -68,8 +63,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
 
     Example::
 
-        scaler = DynamicGradScaler(init_scale=2.0**12, hysteresis=2)
-        trainer = Trainer(plugins=[AccelPrecision("16-mixed", scaler=scaler)])
+        plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2**12, hysteresis=2))
     """
 
     def __init__(
