@@ -71,6 +71,13 @@ QUIET_TRAINER: dict[str, Any] = dict(
 )
 
 
+def precision_plugins(precision: str, **kwargs: Any) -> list[Any]:
+    """``[AccelPrecision(precision, **kwargs)]``, or no plugin for ``"32-true"`` (full precision is Lightning's own)."""
+    from lit_accel import AccelPrecision
+
+    return [] if precision == "32-true" else [AccelPrecision(precision, **kwargs)]  # type: ignore[arg-type]
+
+
 def classifier(net: Any, make_optimizer: Callable[[Any], Any]) -> Any:
     """A LightningModule training ``net`` (as ``.net``) with cross-entropy and ``make_optimizer(parameters)``."""
     import lightning.pytorch as pl

@@ -184,7 +184,7 @@ def float8_conversion(ctx: dict[str, Any]) -> Any:
 
 def arm(ctx: dict[str, Any], spec: dict[str, Any], strategy: str, precision: str, compiled: bool) -> dict[str, Any]:
     """One fit of ``spec``'s model (``strategy`` "ddp" or "fsdp"): images/s, losses, the monitor's figures; once."""
-    from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor
+    from lit_accel import AccelDDP, AccelFSDP, EfficiencyMonitor
 
     key = (strategy, precision, compiled, spec["model"], spec["batch"], str(ctx["device"]))
     if key in _ARMS:
@@ -196,21 +196,18 @@ def arm(ctx: dict[str, Any], spec: dict[str, Any], strategy: str, precision: str
     # watchdog would end the whole script. The same for every arm, so the comparisons stay paired.
     options = dict(compile=compile_arg, hang_timeout=None)
     strat = AccelFSDP(**options) if strategy == "fsdp" else AccelDDP(**options)
-    plugin = (
-        AccelPrecision(precision, float8=float8_conversion(ctx))
-        if precision == "fp8-mixed"
-        else AccelPrecision(precision)
-    )
+    options8 = {"float8": float8_conversion(ctx)} if precision == "fp8-mixed" else {}
+    plugins = _common.precision_plugins(precision, **options8)  # fp32: Lightning's own plugin
     clock = Clock(ctx, spec["warmup"])
     monitor = EfficiencyMonitor(warmup_steps=spec["warmup"], print_summary=False, peak_flops=ctx["peak"])
     n = spec["warmup"] + spec["steps"]
     module = classifier(build(spec), spec["lr"])
-    fit = make_trainer(ctx, strategy=strat, plugins=[plugin], callbacks=[clock, monitor], max_steps=n)
+    fit = make_trainer(ctx, strategy=strat, plugins=plugins, callbacks=[clock, monitor], max_steps=n)
     start = time.perf_counter()
     try:
         fit.fit(module, train_dataloaders=_common.RepeatBatch(batch_for(spec, spec["batch"], ctx["device"]), n))
         summary = dict(monitor.summary)  # keys may change: read with .get
-        report = plugin.float8_report
+        report = plugins[0].float8_report if plugins else None
         result = {
             "images_per_s": spec["batch"] * spec["steps"] / (clock.t1 - clock.t0),
             "losses": torch.stack(module.losses).float().tolist(),

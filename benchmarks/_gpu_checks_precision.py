@@ -95,7 +95,7 @@ def check_loss_scaling(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         module = _mlp_module(ctx, fused=fused, lr=1e-2, inject_at=inject)
         trainer = make_trainer(ctx, plugins=[plugin], callbacks=[snap, monitor], max_steps=steps)
         trainer.fit(module, train_dataloaders=_common.RepeatBatch(_regression_batch(ctx), steps))
-        stats = plugin.scaler_stats()
+        stats = plugin.scaler.scaler_stats()
         scale, skipped, growths, backoffs = torch.stack(
             [stats.scale.double(), stats.skipped_steps.double(), stats.growths.double(), stats.backoffs.double()]
         ).tolist()
@@ -234,11 +234,11 @@ def _sync_window(ctx: dict[str, Any], start: int, stop: int) -> Any:
     return SyncWindow()
 
 
-def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, on_nonfinite: str, fused: bool) -> dict[str, Any]:
+def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, action: str, fused: bool) -> dict[str, Any]:
     from lightning.pytorch.plugins import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor
+    from lit_accel import AccelDDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, NonFiniteGuard
 
     start, stop, steps = 6, 12, 14
     window = _sync_window(ctx, start, stop)
@@ -249,8 +249,10 @@ def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, on_nonfinite: str, 
         callbacks = [window]
     else:
         strategy = AccelDDP()
-        plugins = [AccelPrecision(precision, on_nonfinite=on_nonfinite)]  # type: ignore[arg-type]
+        plugins = [AccelPrecision(precision)]  # type: ignore[arg-type]
         callbacks = [window, LossScaleMonitor(), EfficiencyMonitor(warmup_steps=3, print_summary=False)]
+        if precision != "16-mixed":  # the guard of bf16 (fp16's scaler checks its own steps)
+            callbacks.append(NonFiniteGuard(action=action))  # type: ignore[arg-type]
     trainer = make_trainer(
         ctx, strategy=strategy, plugins=plugins, callbacks=callbacks, max_steps=steps, log_every_n_steps=50
     )
@@ -267,9 +269,9 @@ def _sync_arm(ctx: dict[str, Any], arm: str, precision: str, on_nonfinite: str, 
 
 def check_syncs(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     rows, data = [], {}
-    # (precision, on_nonfinite, fused, syncs lit_accel adds per step according to the AccelPrecision docstring). The
-    # last is a positive control: the guard of a non-fused optimizer reads its found-inf flag on the host (documented
-    # 1 sync), and the counter must see it - a count of 0 elsewhere then means something.
+    # (precision, NonFiniteGuard action, fused, syncs lit_accel adds per step according to docs/precision.md). The
+    # last is a positive control: the guard of a non-fused optimizer reads its flag on the host (documented 1 sync),
+    # and the counter must see it - a count of 0 elsewhere then means something.
     configs = [
         ("16-mixed", "raise", True, 0),
         ("bf16-mixed", "raise", True, 0),
@@ -278,15 +280,15 @@ def check_syncs(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     ]
     what = "CUDA syncs" if ctx["cuda"] else "host reads (CPU stand-in)"
     key = "debug_mode_syncs_per_step" if ctx["cuda"] else "host_reads_per_step"
-    for precision, on_nonfinite, fused, documented in configs:
-        arms = {arm: _sync_arm(ctx, arm, precision, on_nonfinite, fused) for arm in ("lightning", "lit_accel")}
+    for precision, action, fused, documented in configs:
+        arms = {arm: _sync_arm(ctx, arm, precision, action, fused) for arm in ("lightning", "lit_accel")}
         added = arms["lit_accel"][key] - arms["lightning"][key]
         added_explicit = (
             arms["lit_accel"]["synchronize_calls_per_step"] - arms["lightning"]["synchronize_calls_per_step"]
         )
         label = f"{precision}, {'fused AdamW' if fused else 'AdamW (control)'}"
         if precision == "bf16-mixed":
-            label += f", on_nonfinite='{on_nonfinite}'"
+            label += f", NonFiniteGuard(action='{action}')"
         data[label] = {**arms, "added_per_step": added, "added_synchronize_calls_per_step": added_explicit}
         result = "PASS" if added == documented and added_explicit == 0 else "FAIL"
         extra = ""

@@ -19,7 +19,7 @@ def check_vit(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
     import timm
     from lightning.pytorch.callbacks import Callback
 
-    from lit_accel import AccelPrecision, EfficiencyMonitor
+    from lit_accel import EfficiencyMonitor
     from lit_accel.callbacks._flops import measure_flops
     from lit_accel.utilities._peak_flops import lookup_peak_flops
 
@@ -64,9 +64,8 @@ def check_vit(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
         monitor = EfficiencyMonitor(warmup_steps=warmup, print_summary=False, peak_flops=ctx["peak"])
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        trainer = make_trainer(
-            ctx, plugins=[AccelPrecision(precision)], callbacks=[clock, monitor], max_steps=warmup + steps
-        )
+        plugins = _common.precision_plugins(precision)  # fp32: Lightning's own plugin
+        trainer = make_trainer(ctx, plugins=plugins, callbacks=[clock, monitor], max_steps=warmup + steps)
         module = _common.classifier(build(), lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True))
         trainer.fit(module, train_dataloaders=_common.RepeatBatch((x, y), warmup + steps))
         ips = batch_size * steps / (clock.end - clock.start)

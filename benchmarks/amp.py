@@ -1,6 +1,6 @@
-"""Training throughput and memory of a ViT in fp32, bf16-mixed and 16-mixed, all through AccelPrecision.
+"""Training throughput and memory of a ViT in fp32, bf16-mixed and 16-mixed.
 
-One process trains the same ViT with ``AccelPrecision("32-true")``, ``AccelPrecision("bf16-mixed")`` and
+One process trains the same ViT in full precision (Lightning's own plugin), with ``AccelPrecision("bf16-mixed")`` and
 ``AccelPrecision("16-mixed")`` (fp16 autocast with the dynamic loss scaler; on CPU this is real fp16, which plain
 Lightning would silently turn into bf16), in interleaved repetitions (``fp32 bf16 fp16``, ``bf16 fp16 fp32``, ...).
 Each repetition of an arm is one fresh fit from the same initial weights on the same pre-made batch (no data
@@ -77,8 +77,6 @@ def run_arm(arm: str, args: Any, batches: _common.RepeatBatch, device: torch.dev
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    from lit_accel import AccelPrecision
-
     class Clock(Callback):
         def __init__(self) -> None:
             self.start = self.end = 0.0
@@ -97,11 +95,11 @@ def run_arm(arm: str, args: Any, batches: _common.RepeatBatch, device: torch.dev
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock()
-    plugin = AccelPrecision(ARMS[arm])
+    plugins = _common.precision_plugins(ARMS[arm])
     trainer = pl.Trainer(
         accelerator="cuda" if device.type == "cuda" else "cpu",
         devices=1,
-        plugins=[plugin],
+        plugins=plugins,
         callbacks=[clock],
         max_steps=args.warmup + args.steps,
         **_common.QUIET_TRAINER,
@@ -113,6 +111,7 @@ def run_arm(arm: str, args: Any, batches: _common.RepeatBatch, device: torch.dev
     out = {"images_per_s": args.batch * args.steps / (clock.end - clock.start)}
     if device.type == "cuda":
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    plugin = plugins[0] if plugins else trainer.precision_plugin  # fp32: Lightning's Precision, no autocast
     out["saved_activations_mb"] = saved_activation_bytes(module.net.to(device), plugin, batches.batch) / 1e6
     return out
 

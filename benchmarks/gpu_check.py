@@ -9,10 +9,10 @@ part1
    ``LossScaleMonitor`` reports the same, the loss falls; a 2**-30 gradient flushes to zero unscaled and is recovered.
 2. ``syncs``: lit_accel (``AccelDDP`` + ``AccelPrecision`` + ``LossScaleMonitor`` + ``EfficiencyMonitor``) adds 0
    host-device syncs per steady-state step to plain Lightning with ``AdamW(fused=True)`` in ``16-mixed`` and
-   ``bf16-mixed`` (``torch.cuda.set_sync_debug_mode("warn")``, host reads and ``synchronize`` calls counted); a
-   non-fused positive control must show the 1 documented sync.
-3. ``vit``: ViT-B/16 images/s and MFU in fp32 (TF32 off), bf16-mixed and 16-mixed at ``--batch`` (halved on
-   out-of-memory); mixed precision must beat fp32.
+   ``bf16-mixed`` with ``NonFiniteGuard`` (``torch.cuda.set_sync_debug_mode("warn")``, host reads and
+   ``synchronize`` calls counted); a non-fused positive control must show the 1 documented sync.
+3. ``vit``: ViT-B/16 images/s and MFU in fp32 (TF32 off; Lightning's plugin), bf16-mixed and 16-mixed at
+   ``--batch`` (halved on out-of-memory); mixed precision must beat fp32.
 4. ``syncbn`` (``_gpu_checks_syncbn.py``): torch's and lit_accel's SyncBatchNorm equal BatchNorm on the joint batch
    (torch's with its 5 fused kernels), their step time and host syncs, and ``"auto"``'s choice against the faster.
 5. ``memory``: MemoryMonitor's activations + autocast's weight copies within 25% of ``memory_allocated``'s growth

@@ -146,7 +146,7 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
     from lightning.pytorch.plugins import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-    from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
+    from lit_accel import AccelDDP, AccelFSDP, EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
 
     class StepClock(Callback):
         def __init__(self) -> None:
@@ -162,7 +162,7 @@ def run_trainer(arm: str, args: Any, loader: DataLoader, world_size: int) -> tup
     module = _common.classifier(build_net(args.model), lambda params: _optimizer(params, args.lr))
     bf16 = args.precision == "bf16-mixed"
     lightning_plugins: list[Any] = [MixedPrecision("bf16-mixed", device="cpu")] if bf16 else []
-    plugins: list[Any] = [AccelPrecision(args.precision)]
+    plugins: list[Any] = _common.precision_plugins(args.precision)  # none for 32-true: Lightning's own
     if arm in ("lit_accel", "lit_accel_compiled", "full_stack"):
         strategy: Any = AccelDDP(compile=arm == "lit_accel_compiled")
         callbacks += [LossScaleMonitor(), EfficiencyMonitor(print_summary=False)]

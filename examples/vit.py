@@ -96,7 +96,15 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 import lit_accel
-from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
+from lit_accel import (
+    AccelDDP,
+    AccelFSDP,
+    AccelPrecision,
+    EfficiencyMonitor,
+    LossScaleMonitor,
+    MemoryMonitor,
+    NonFiniteGuard,
+)
 from lit_accel.utilities._units import format_flops_per_second  # the monitors' own unit choice
 
 # A ViT small enough for 8x8 digits on a CPU: timm's ViT-Tiny at width 96, depth 4, 3 heads (~0.45 M parameters), with
@@ -651,6 +659,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         run_dir = Path(args.run_dir)
     else:
         run_dir = create_run_dir(Path(args.output), args.experiment, args.model, args.img_size)
+    # fp16 gets dynamic loss scaling (skipped steps counted), bf16/FP8 autocast through AccelPrecision; full precision
+    # is Lightning's own plugin. Without a loss scaler, NonFiniteGuard keeps inf/NaN gradients out of the weights.
+    plugins = [] if args.precision == "32-true" else [AccelPrecision(args.precision)]
     efficiency = EfficiencyMonitor(report_path=run_dir / "efficiency.json", print_summary=False)
     callbacks = build_callbacks(args, run_dir, efficiency)
     strategy = build_strategy(args, num_batchnorms)
@@ -660,9 +671,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             devices=args.devices,
             num_nodes=args.num_nodes,
             strategy=strategy,
-            # AccelPrecision for every precision: fp16 gets dynamic loss scaling, bf16 and fp32 a guard that refuses
-            # to write non-finite gradients into the weights; all three count skipped steps.
-            plugins=[AccelPrecision(args.precision)],
+            plugins=plugins,
             accumulate_grad_batches=args.accumulate,
             gradient_clip_val=args.clip_grad or None,
             max_epochs=args.epochs,
@@ -723,6 +732,8 @@ def build_callbacks(args: argparse.Namespace, run_dir: Path, efficiency: Efficie
     ]
     if args.precision == "16-mixed":  # the only precision with a loss scale to watch
         callbacks.append(LossScaleMonitor(report_path=run_dir / "loss_scale.json"))
+    else:
+        callbacks.append(NonFiniteGuard())
     return callbacks
 
 

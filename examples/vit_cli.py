@@ -1,10 +1,11 @@
 """The ViT case study of ``examples/vit.py`` as a LightningCLI program: one YAML file holds every setting.
 
 ``vit.py`` resolves data-dependent defaults with its own flags; this entry point hands the same model, data and
-lit_accel objects to Lightning's ``LightningCLI``, so the strategy (``AccelDDP`` with its global batch and SyncBN), the
-precision plugin (``AccelPrecision``, with a nested ``DynamicGradScaler`` for fp16) and the monitors are written as
-``class_path``/``init_args`` in YAML, overridden by ``--section.key=value`` flags, and saved, resolved, as
-``config.yaml`` next to the run's logs. A misspelled key ends the run before any process starts, naming the key.
+lit_accel objects to Lightning's ``LightningCLI``, so the strategy (``AccelDDP`` with its global batch and SyncBN),
+the precision plugin (``AccelPrecision``, with a nested ``DynamicGradScaler`` for fp16), the ``NonFiniteGuard`` and
+the monitors are written as ``class_path``/``init_args`` in YAML, overridden by ``--section.key=value`` flags, and
+saved, resolved, as ``config.yaml`` next to the run's logs. A misspelled key ends the run before any process starts,
+naming the key.
 
 Commands::
 
@@ -14,8 +15,8 @@ Commands::
     python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml --trainer.devices=2
     # one nested setting changed; fp16 with lit_accel's scaler (on a GPU: CPU fp16 is emulated and slow)
     python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml --trainer.accelerator=gpu \\
-        --trainer.plugins.precision=16-mixed --trainer.plugins.scaler=lit_accel.DynamicGradScaler \\
-        --trainer.plugins.scaler.hysteresis=2
+        --trainer.plugins=lit_accel.AccelPrecision --trainer.plugins.precision=16-mixed \\
+        --trainer.plugins.scaler=lit_accel.DynamicGradScaler --trainer.plugins.scaler.hysteresis=2
     # the resolved configuration, without training
     python examples/vit_cli.py fit --config examples/configs/vit_digits_cli.yaml --print_config
 

@@ -21,6 +21,7 @@ from lit_accel.callbacks import (
     HangWatchdog,
     LossScaleMonitor,
     MemoryMonitor,
+    NonFiniteGuard,
     ProgressWatchdog,
 )
 from lit_accel.meters import EfficiencyMeter, LossScaleMeter, MemoryMeter
@@ -66,6 +67,7 @@ __all__ = [
     "LossScaleMonitor",
     "MemoryMeter",
     "MemoryMonitor",
+    "NonFiniteGuard",
     "ProgressWatchdog",
     "ScalerStats",
     "ScalerStatsProvider",

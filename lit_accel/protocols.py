@@ -41,9 +41,10 @@ class ScalerStats(NamedTuple):
 
 @runtime_checkable
 class ScalerStatsProvider(Protocol):
-    """A precision plugin whose fp16 loss scaler the ``LossScaleMonitor`` reads.
+    """A loss scaler (``DynamicGradScaler``), or a precision plugin, whose counters the ``LossScaleMonitor`` reads.
 
-    ``loss_scaling`` says whether the loss is scaled at all (``False`` for bf16/fp32: the monitor then logs nothing).
+    The monitor asks the precision plugin first, then its ``scaler``; a plain ``torch.amp.GradScaler`` gets counters
+    derived from its scale. ``loss_scaling`` says whether the loss is scaled at all (``False``: nothing to log).
     """
 
     @property
@@ -58,10 +59,12 @@ class ScalerStatsProvider(Protocol):
 
 @runtime_checkable
 class SkippedStepRecord(Protocol):
-    """A precision plugin that knows whether an optimizer step was skipped (inf/NaN gradients).
+    """The one record of whether each optimizer's last step was skipped.
 
-    Step-interval LR schedulers made skip-aware by ``AccelPrecision`` ask it after every optimizer step, so the
-    answer must be a host bool (the plugin decides when it is worth a sync).
+    Kept by whichever part skips steps in a fit: ``AccelPrecision`` (fp16 overflows) or the ``NonFiniteGuard`` callback
+    (inf/NaN gradients under bf16/fp32). The step-interval LR schedulers it makes skip-aware ask it after every
+    optimizer step, so the answer must be a host bool (the owner decides when it is worth a sync: a flag only the
+    device knows is read when asked).
     """
 
     def step_was_skipped(self, optimizer: Optimizer | None = None) -> bool:

@@ -40,6 +40,7 @@ from lit_accel import (
     DynamicGradScaler,
     EfficiencyMonitor,
     LossScaleMonitor,
+    NonFiniteGuard,
 )
 from lit_accel.utilities._compat import get_layer_sync
 from tests.helpers import BNModel, make_dataset
@@ -214,6 +215,17 @@ def test_a_yaml_configured_fp16_fit_uses_the_nested_scaler_and_both_monitors(tmp
     assert torch.load(tmp_path / "rank0.pt", weights_only=False)["skipped_steps"] == 1  # the script's own dump
 
 
+def test_the_config_lightningcli_saves_rebuilds_the_precision_plugin_and_its_scaler(tmp_path):
+    cli = _cli([*QUIET, "--config", _yaml(tmp_path, FP16_YAML), "--trainer.plugins.precision=16"])  # Lightning's 16
+    saved = cli.parser.dump(cli.config)  # what LightningCLI's SaveConfigCallback writes
+    plugin_config = yaml.safe_load(saved)["trainer"]["plugins"][0]
+    assert plugin_config["init_args"]["precision"] in (16, "16")  # Lightning's spelling, kept as given
+    assert plugin_config["init_args"]["scaler"]["class_path"] == "lit_accel.DynamicGradScaler"
+    plugin = _cli(["--config", _yaml(tmp_path, saved)]).trainer.precision_plugin
+    assert type(plugin) is AccelPrecision and plugin.precision == "16-mixed"
+    assert type(plugin.scaler) is DynamicGradScaler and (plugin.scaler.hysteresis, plugin.loss_scale) == (2, 1024.0)
+
+
 # ---------------------------------------------------------------------------------------------------- callbacks
 
 
@@ -233,7 +245,7 @@ def test_both_monitors_as_trainer_callbacks_from_flags():
 
 _TRAINER_KEYS = (("strategy", Strategy), ("plugins", Precision), ("plugins", LayerSync), ("callbacks", Callback))
 # Arguments without a default, by class: a new public class with one must be listed here (the test says so).
-_REQUIRED = {"AccelPrecision": {"precision": "32-true"}}
+_REQUIRED = {"AccelPrecision": {"precision": "bf16-mixed"}}
 
 
 def _configurable() -> list[tuple[str, str]]:
@@ -389,9 +401,7 @@ trainer:
   callbacks:
     - class_path: lit_accel.EfficiencyMonitor
       init_args: {{warmup_steps: 1, report_path: {out}/efficiency.json, print_summary: false}}
-  plugins:
-    - class_path: lit_accel.AccelPrecision
-      init_args: {{precision: 32-true}}
+    - class_path: lit_accel.NonFiniteGuard
 data:
   batch_size: {micro}
 """
@@ -460,7 +470,8 @@ def test_the_cli_job_trains_two_processes_with_the_configured_global_batch(jobs)
     for dump in dumps:
         assert (dump["world_size"], dump["global_step"], dump["strategy"]) == (RANKS, STEPS, "AccelDDP")
         assert (dump["accumulate_grad_batches"], dump["global_batch_size"]) == (GLOBAL // (MICRO * RANKS), GLOBAL)
-        assert dump["precision_plugin"] == "AccelPrecision" and "EfficiencyMonitor" in dump["callbacks"]
+        assert dump["precision_plugin"] == "Precision"  # full precision: Lightning's own plugin
+        assert "EfficiencyMonitor" in dump["callbacks"] and "NonFiniteGuard" in dump["callbacks"]
     reference = _replay()
     for key, value in reference.items():
         assert torch.equal(dumps[0]["state_dict"][key], dumps[1]["state_dict"][key]), key
@@ -477,7 +488,7 @@ def test_the_config_the_job_saved_rebuilds_the_same_strategy(jobs, tmp_path):
     known = {key: value for key, value in saved.items() if key in ("seed_everything", "trainer", "model", "data")}
     cli = _cli(["--config", _yaml(tmp_path, yaml.safe_dump(known))])
     assert isinstance(cli.trainer.strategy, AccelDDP) and cli.trainer.strategy.global_batch_size == GLOBAL
-    assert cli.trainer.num_devices == RANKS and isinstance(cli.trainer.precision_plugin, AccelPrecision)
+    assert cli.trainer.num_devices == RANKS and any(isinstance(cb, NonFiniteGuard) for cb in cli.trainer.callbacks)
 
 
 def test_a_misspelled_argument_ends_the_job_before_a_second_process_starts(jobs):

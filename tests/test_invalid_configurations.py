@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from torch.utils.data import DataLoader
 
-from lit_accel import AccelDDP, AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor
+from lit_accel import AccelDDP, AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor, NonFiniteGuard
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
 
@@ -280,9 +280,17 @@ CONSTRUCTION_ROWS: dict[str, tuple[Callable[[], Any], Row]] = {
         Row(
             ValueError,
             r"precision='fp8'\)",
-            r"'16-mixed', 'bf16-mixed', 'fp8-mixed', '32-true'",
-            r"Fix: pass precision=",
+            r"'16-mixed', 'bf16-mixed' or 'fp8-mixed'.*Did you mean 'fp8-mixed'\?",
+            r"Fix: pass precision='fp8-mixed'",
         ),
+    ),
+    "accel_precision-full_precision": (
+        lambda: AccelPrecision("32-true"),  # type: ignore[arg-type]
+        Row(ValueError, r"precision='32-true'\)", r"not mixed precision", r"Fix: drop the plugin.*NonFiniteGuard\(\)"),
+    ),
+    "nonfinite_guard-unknown_action": (
+        lambda: NonFiniteGuard(action="warn"),  # type: ignore[arg-type]
+        Row(ValueError, r"NonFiniteGuard\(action='warn'\)", r"'raise', 'skip'", r"Fix: pass action='raise'"),
     ),
     "dynamic_grad_scaler-growth_factor_not_above_one": (
         lambda: DynamicGradScaler(growth_factor=1.0),

@@ -27,33 +27,51 @@ from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_dis
 # ---------------------------------------------------------------------------------------------- AccelPrecision
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_accel_precision_has_mixed_precisions_public_surface(precision):
     ours = AccelPrecision(precision, "cpu")
-    lightning = MixedPrecision(precision, "cpu") if precision != "32-true" else Precision()
-    assert isinstance(ours, MixedPrecision) is (precision != "32-true") and isinstance(ours, AccelPrecision)
-    assert type(ours).__name__ == "AccelPrecision" and ours.precision == lightning.precision
+    lightning = MixedPrecision(precision, "cpu")
+    assert type(ours) is AccelPrecision and isinstance(ours, MixedPrecision) and ours.precision == lightning.precision
     # Lightning's ThroughputMonitor picks its peak from this: the same dtype as Lightning's own plugin.
     assert _plugin_to_compute_dtype(ours) == _plugin_to_compute_dtype(lightning)
     assert ours.device == "cpu" and isinstance(ours.device, str)
-    if precision != "32-true":
-        ours_ctx, theirs_ctx = ours.autocast_context_manager(), lightning.autocast_context_manager()
-        assert (ours_ctx.device, ours_ctx.fast_dtype) == (theirs_ctx.device, theirs_ctx.fast_dtype)
-    assert (ours.scaler is None) is (getattr(lightning, "scaler", None) is None)
+    ours_ctx, theirs_ctx = ours.autocast_context_manager(), lightning.autocast_context_manager()
+    assert (ours_ctx.device, ours_ctx.fast_dtype) == (theirs_ctx.device, theirs_ctx.fast_dtype)
+    assert (ours.scaler is None) is (lightning.scaler is None)
+    # Full precision is Lightning's Precision (fp32 peak); a MixedPrecision subclass would claim fp16 there.
+    assert _plugin_to_compute_dtype(Precision()) == torch.float32
+    with pytest.raises(ValueError, match="drop the plugin"):
+        AccelPrecision("32-true")
 
 
-def test_a_torch_grad_scaler_is_adopted_not_dropped_whether_passed_or_assigned():
-    passed = AccelPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=3))
-    assert isinstance(passed.scaler, DynamicGradScaler)
-    assert (passed.loss_scale, passed.scaler.get_growth_interval(), passed.scaler.hysteresis) == (64.0, 3, 1)
+def _fit_with(plugin: AccelPrecision, steps: int, overflow_at: int | None = None) -> pl.Trainer:
+    class Model(BNModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("inf") if self.trainer.global_step == overflow_at else loss
+
+    trainer = pl.Trainer(**small_trainer_kwargs(max_steps=steps, plugins=[plugin]))
+    trainer.fit(Model(batchnorm=False), make_loader(make_dataset(32), 4))
+    return trainer
+
+
+def test_a_scaler_given_or_assigned_is_the_object_used():
+    # As in Lightning: a torch GradScaler (torch's rule, its own state) drives the fit, whether passed or assigned.
+    given = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=3)
+    passed = AccelPrecision("16-mixed", "cpu", given)
+    assert passed.scaler is given
+    _fit_with(passed, 5, overflow_at=1)
+    assert passed.scaler is given and given.get_scale() == 64.0  # halved at step 1, grown after 3 clean steps
+    assert given._get_growth_tracker() == 0 and passed.step_was_skipped() is False
     assigned = AccelPrecision("16-mixed")
-    assigned.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**5)  # before fit: this crashed in connect()
-    trainer = pl.Trainer(**small_trainer_kwargs(max_steps=3, plugins=[assigned]))
-    trainer.fit(BNModel(batchnorm=False), make_loader(make_dataset(32), 4))
-    assert isinstance(assigned.scaler, DynamicGradScaler) and assigned.scaler.device == torch.device("cpu")
-    assert assigned.scaler_stats().growth_tracker.item() == 3  # it drove the fit: three clean steps counted
+    assigned.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**5)  # before fit
+    _fit_with(assigned, 3)
+    assert type(assigned.scaler) is torch.amp.GradScaler and assigned.scaler._get_growth_tracker() == 3
     injected = DynamicGradScaler(init_scale=2.0**4, hysteresis=2)
-    assert AccelPrecision("16-mixed", scaler=injected).scaler is injected  # never replaced
+    plugin = AccelPrecision("16-mixed", scaler=injected)
+    _fit_with(plugin, 3)
+    assert plugin.scaler is injected and injected.device == torch.device("cpu")  # never replaced
+    assert injected.scaler_stats().growth_tracker.item() == 3  # it drove the fit: three clean steps counted
 
 
 def _fit_fp16(plugin: Precision, tmp_path: Any, steps: int, ckpt: Any = None, overflow_at: int | None = None) -> Any:

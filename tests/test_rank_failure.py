@@ -204,7 +204,7 @@ def _nonfinite_on_rank_one(rank: int, world_size: int, precision: str) -> dict[s
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    from lit_accel import AccelDDP, AccelPrecision
+    from lit_accel import AccelDDP, AccelPrecision, NonFiniteGuard
 
     class NaNOnRankOne(BNModel):
         def training_step(self, batch, batch_idx):
@@ -221,8 +221,8 @@ def _nonfinite_on_rank_one(rank: int, world_size: int, precision: str) -> dict[s
         **small_trainer_kwargs(
             devices=world_size,
             strategy=AccelDDP(),
-            plugins=[AccelPrecision(precision)],
-            callbacks=[snapshot],
+            plugins=[AccelPrecision(precision)] if precision != "32-true" else [],  # fp32: Lightning's own plugin
+            callbacks=[snapshot, NonFiniteGuard()],
             max_steps=6,
             use_distributed_sampler=False,
         )

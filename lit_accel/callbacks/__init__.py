@@ -1,4 +1,4 @@
-"""Callbacks: :class:`LossScaleMonitor`, :class:`EfficiencyMonitor`, :class:`MemoryMonitor`, :class:`HangWatchdog`.
+"""Callbacks: the monitors, :class:`HangWatchdog` and :class:`NonFiniteGuard`.
 
 :class:`ProgressWatchdog` is the watchdog's Lightning-free core, for raw PyTorch and Fabric loops.
 """
@@ -7,6 +7,7 @@ from lit_accel.callbacks.efficiency_monitor import EfficiencyMonitor
 from lit_accel.callbacks.hang_watchdog import HangWatchdog
 from lit_accel.callbacks.loss_scale_monitor import LossScaleMonitor
 from lit_accel.callbacks.memory_monitor import MemoryMonitor
+from lit_accel.callbacks.nonfinite_guard import NonFiniteGuard
 from lit_accel.callbacks.progress_watchdog import ProgressWatchdog
 
 __all__ = [
@@ -14,5 +15,6 @@ __all__ = [
     "HangWatchdog",
     "LossScaleMonitor",
     "MemoryMonitor",
+    "NonFiniteGuard",
     "ProgressWatchdog",
 ]

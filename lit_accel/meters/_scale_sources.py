@@ -28,7 +28,7 @@ class Counters(NamedTuple):
 
 
 class StatsSource:
-    """A scaler's own cumulative counters: a ``ScalerStatsProvider``'s, or ``DynamicGradScaler.stats()``.
+    """A ``ScalerStatsProvider``'s own cumulative counters (a plugin's, or a ``DynamicGradScaler``'s).
 
     They know about hysteresis: a tolerated overflow is a skip without a back-off.
     """
@@ -125,18 +125,18 @@ ScaleSource = StatsSource | TorchScalerSource
 
 
 def select_source(owner: Any) -> tuple[ScaleSource | None, torch.amp.GradScaler | None, str]:
-    """The counter source for a precision plugin (or a bare ``GradScaler``), its GradScaler, and why there is none."""
-    if isinstance(owner, ScalerStatsProvider):
-        scaler = getattr(owner, "scaler", None)
-        scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
-        if owner.loss_scaling:
-            return StatsSource(owner.scaler_stats, scaler), scaler, ""
-    else:
-        scaler = owner if isinstance(owner, torch.amp.GradScaler) else getattr(owner, "scaler", None)
-        if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
-            if callable(getattr(scaler, "stats", None)):  # a DynamicGradScaler inside another plugin (Fabric's)
-                return StatsSource(scaler.stats, scaler), scaler, ""
-            return TorchScalerSource(scaler), scaler, ""
+    """The counter source for a precision plugin (or a bare scaler), its GradScaler, and why there is none.
+
+    A ``ScalerStatsProvider`` (the plugin itself, or its ``scaler``: a ``DynamicGradScaler``) gives its own counters;
+    a plain, enabled ``torch.amp.GradScaler`` (Lightning's ``MixedPrecision``) gets them derived from its scale.
+    """
+    scaler = owner if isinstance(owner, torch.amp.GradScaler) else getattr(owner, "scaler", None)
+    scaler = scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+    for provider in (owner, scaler):
+        if isinstance(provider, ScalerStatsProvider) and provider.loss_scaling:
+            return StatsSource(provider.scaler_stats, scaler), scaler, ""
+    if scaler is not None:
+        return TorchScalerSource(scaler), scaler, ""
     label = getattr(owner, "precision", type(owner).__name__)
     return (
         None,

@@ -9,59 +9,49 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lit_accel.plugins.float8 import Float8Conversion, Float8Report, ModuleFilter
+from lit_accel.plugins.float8 import Float8Conversion, ModuleFilter
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["Float8Training", "float8_conversion"]
+__all__ = ["Float8Training"]
 
 
-def float8_conversion(owner: str, precision: str, float8: Any, float8_filter: ModuleFilter | None) -> Any:
-    """The ``Float8Conversion`` for ``"fp8-mixed"`` (``None`` otherwise), from a torchao config or a conversion.
+class Float8Training:
+    """Converts the LightningModule's Linear layers when the strategy converts the module, reverts them at teardown.
+
+    Args:
+        owner, precision: the plugin's name and precision, for messages.
+        float8: torchao's ``Float8LinearConfig`` or a ready ``Float8Conversion``; ``float8_filter``: which layers.
 
     Raises:
         ValueError: ``float8``/``float8_filter`` with another precision, or a filter besides a ready conversion.
     """
-    if precision != "fp8-mixed":
-        if float8 is not None or float8_filter is not None:
-            given = "float8" if float8 is not None else "float8_filter"
+
+    def __init__(self, owner: str, precision: str, float8: Any, float8_filter: ModuleFilter | None) -> None:
+        given = "float8" if float8 is not None else "float8_filter" if float8_filter is not None else None
+        if precision != "fp8-mixed" and given:
             raise ValueError(
                 f"{owner}({precision!r}, {given}=...): FP8 settings only apply to 'fp8-mixed'. Fix: pass"
                 f" precision='fp8-mixed', or drop {given}."
             )
-        return None
-    if isinstance(float8, Float8Conversion):
-        if float8_filter is not None:
+        if isinstance(float8, Float8Conversion) and float8_filter is not None:
             raise ValueError(
                 f"{owner}('fp8-mixed', float8=Float8Conversion(...), float8_filter=...): the conversion has its own"
                 " module_filter. Fix: pass Float8Conversion(config, module_filter=...) alone."
             )
-        return float8
-    return Float8Conversion(float8, module_filter=float8_filter)
-
-
-class Float8Training:
-    """Converts the LightningModule's Linear layers when the strategy converts the module, reverts them at teardown."""
-
-    def __init__(self, conversion: Float8Conversion) -> None:
-        self.conversion = conversion
+        is_ready = isinstance(float8, Float8Conversion)
+        self.conversion = float8 if is_ready else Float8Conversion(float8, module_filter=float8_filter)
         self._converted: nn.Module | None = None
 
-    @property
-    def report(self) -> Float8Report | None:
-        """Which layers the last conversion converted, and why the others were left out."""
-        return self.conversion.report
-
     def convert(self, module: nn.Module, device: torch.device) -> nn.Module:
-        if self._converted is module:
-            return module  # a strategy that converts twice (setup after a restart): already done
-        module = self.conversion.apply(module, device)
-        self._converted = module
-        return module
+        if self._converted is not module:  # a strategy that converts twice (setup after a restart): done already
+            self._converted = self.conversion.apply(module, device)
+        return self._converted
 
+    @staticmethod
     @contextmanager
-    def eval_context(self) -> Generator[None, None, None]:
+    def eval_context() -> Generator[None, None, None]:
         """Evaluation under ``no_grad`` instead of inference mode (no graph, no saved tensors either way).
 
         Under inference mode, CPU autocast sends torchao's float8 tensors an ``aten.to.dtype``, which they do not

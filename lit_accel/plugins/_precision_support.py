@@ -1,22 +1,18 @@
-"""What ``AccelPrecision`` needs around it: the MixedPrecision variant class, optimizer checks, checkpoint formats.
+"""What ``AccelPrecision`` checks around it: precision spellings, scalers, optimizers, saved states, the Trainer.
 
 Kept apart so that ``accel_precision.py`` reads as the plugin's behaviour only.
 """
 
 from __future__ import annotations
 
-import inspect
+import difflib
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import LBFGS, Optimizer
 
-from lit_accel.plugins.grad_scaler import DynamicGradScaler
 from lit_accel.utilities import _compat
-from lit_accel.utilities._validation import check_choice, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -24,16 +20,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TORCH_SCALER_KEYS",
-    "MixedVariantCall",
-    "OutcomeSetting",
-    "adopt_scaler",
-    "base_class",
     "check_optimizers",
-    "find_lightning_module",
+    "check_scaler",
     "has_grads",
-    "legacy_clip_message",
-    "mixed_variant",
-    "rebuild",
+    "refuse_self_unscaling",
+    "resolve_precision",
     "scaler_state_of",
     "trainer_of",
     "unwrap",
@@ -42,133 +33,86 @@ __all__ = [
 #: The entries of a ``torch.amp.GradScaler`` state dict, which Lightning's ``MixedPrecision`` saves.
 TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
-# ---------------------------------------------------------------------- the MixedPrecision variant
-
-_MIXED_VARIANTS: dict[type, type] = {}
-_MIXED = ("16-mixed", "bf16-mixed", "fp8-mixed")
-
-
-class MixedVariantCall(type):
-    """Metaclass: calling the class with ``"16-mixed"``/``"bf16-mixed"`` builds its ``MixedPrecision`` variant.
-
-    So every ``isinstance(plugin, MixedPrecision)`` in Lightning and user code sees mixed precision. A metaclass
-    rather than ``__new__``, so that ``__init__`` stays the signature that LightningCLI and ``inspect`` read.
-    """
-
-    @property
-    def __signature__(cls) -> inspect.Signature:
-        # inspect.signature(cls) would otherwise report this __call__'s (*args, **kwargs).
-        signature = inspect.signature(cls.__init__)
-        return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        precision = args[0] if args else kwargs.get("precision")
-        if precision in _MIXED and not issubclass(cls, MixedPrecision):
-            cls = mixed_variant(cls)
-        return super().__call__(*args, **kwargs)
+# Every spelling Lightning's Trainer accepts for the precisions AccelPrecision implements, to the canonical one.
+_SPELLINGS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
+              "fp8-mixed": "fp8-mixed"}  # fmt: skip
+# Spellings Lightning's Trainer accepts that are not mixed precision: its own plugins run them.
+_LIGHTNING_ONLY = ("32", "32-true", "64", "64-true", "16-true", "bf16-true")
 
 
-def mixed_variant(cls: type) -> type:
-    """A cached subclass of ``cls`` and ``MixedPrecision`` with ``cls``'s name (and so its checkpoint key)."""
-    variant = _MIXED_VARIANTS.get(cls)
-    if variant is None:
-        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        variant = type(cls.__name__, (cls, MixedPrecision), namespace)
-        _MIXED_VARIANTS[cls] = variant
-    return variant
-
-
-def base_class(cls: type) -> type:
-    """The class a variant was made from (``cls`` itself otherwise): pickling goes through it."""
-    return next((base for base, variant in _MIXED_VARIANTS.items() if variant is cls), cls)
-
-
-def rebuild(cls: type, mixed: bool) -> Any:
-    """Unpickle: a new, uninitialised instance of ``cls`` or of its mixed variant."""
-    return object.__new__(mixed_variant(cls) if mixed else cls)
-
-
-# ---------------------------------------------------------------------- settings
-
-
-def adopt_scaler(owner: str, precision: str, value: object) -> DynamicGradScaler | None:
-    """The scaler a plugin of ``precision`` uses for ``value``: a ``DynamicGradScaler`` as is, a ``GradScaler`` adopted.
+def resolve_precision(owner: str, value: object) -> str:
+    """The canonical precision for ``value`` (``16`` and ``"16"`` are ``"16-mixed"``, ``"bf16"`` is ``"bf16-mixed"``).
 
     Raises:
-        ValueError: a scaler for bf16/fp32, or ``None`` for fp16. TypeError: not a ``torch.amp.GradScaler``.
+        ValueError: a precision that is not mixed (Lightning runs it), or an unknown one (naming the closest).
     """
-    if value is None:
-        if precision == "16-mixed":
-            raise ValueError(
-                f"{owner}.scaler = None: fp16 needs a loss scaler. Fix: use DynamicGradScaler(init_scale=1.0,"
-                " dynamic=False) for no scaling, or precision='bf16-mixed'."
-            )
-        return None
-    if precision != "16-mixed":
-        raise ValueError(f"{owner}: only '16-mixed' scales the loss. Fix: drop scaler, or use precision='16-mixed'.")
-    if not isinstance(value, torch.amp.GradScaler):
-        raise TypeError(f"{owner}(scaler={value!r}): expected a torch.amp.GradScaler. Fix: pass DynamicGradScaler().")
-    if not isinstance(value, DynamicGradScaler):
-        rank_zero_info(
-            f"{owner}: adopting {type(value).__name__}(init_scale={value.get_scale():g}) as a DynamicGradScaler with"
-            " its settings and state (torch's rule: hysteresis 1, unbounded scale); use precision.scaler from now on."
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else repr(value)
+    if text in _SPELLINGS:
+        return _SPELLINGS[text]
+    if text in _LIGHTNING_ONLY:
+        guard = ", and callbacks=[NonFiniteGuard()] to keep inf/NaN gradients from the weights" * text.startswith("32")
+        raise ValueError(
+            f"{owner}(precision={value!r}): not mixed precision, which is all this plugin adds; Lightning's own"
+            f" plugin runs it. Fix: drop the plugin and pass Trainer(precision={text!r}){guard}."
         )
-        value = DynamicGradScaler.from_grad_scaler(value)
-    return value
+    # "fp16-mixed" means "16-mixed", though difflib finds "bf16-mixed" closer.
+    stripped = text.lower().removeprefix("fp")
+    close = [stripped] if stripped in _SPELLINGS else difflib.get_close_matches(text, list(_SPELLINGS), 1, 0.5)
+    hint = f" Did you mean {_SPELLINGS[close[0]]!r}?" if close else ""
+    raise ValueError(
+        f"{owner}(precision={value!r}): expected '16-mixed', 'bf16-mixed' or 'fp8-mixed' (or Lightning's 16 and"
+        f" 'bf16').{hint} Fix: pass precision={_SPELLINGS[close[0]] if close else '16-mixed'!r}."
+    )
 
 
-class OutcomeSetting:
-    """A plugin attribute kept on its ``StepOutcomes`` and validated on assignment (``None``: a positive int)."""
-
-    def __init__(self, allowed: tuple[str, ...] | None) -> None:
-        self.allowed = allowed
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        return self if obj is None else getattr(obj._outcomes, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        owner = type(obj).__name__
-        if self.allowed is None:
-            check_int(owner, self.name, value, example=100)
-        else:
-            check_choice(owner, self.name, value, self.allowed, repr(self.allowed[0]))
-        setattr(obj._outcomes, self.name, value)
+def check_scaler(owner: str, precision: str, scaler: object) -> None:
+    """Raises ValueError for a scaler with bf16/FP8, TypeError for one that is not a ``torch.amp.GradScaler``."""
+    if scaler is None:
+        return
+    if precision != "16-mixed":
+        raise ValueError(
+            f"{owner}({precision!r}, scaler={type(scaler).__name__}(...)): only '16-mixed' scales the loss. Fix: drop"
+            " scaler, or use precision='16-mixed'."
+        )
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"{owner}(scaler={scaler!r}): expected a torch.amp.GradScaler. Fix: pass DynamicGradScaler().")
 
 
 # ---------------------------------------------------------------------- optimizers
 
 
-def check_optimizers(owner: str, precision: str, optimizers: list[Any], clip_val: float | None) -> None:
-    """Refuse optimizers the precision cannot drive; warn for LBFGS under the guard.
+def check_optimizers(owner: str, optimizers: list[Any], clip_val: float | None) -> None:
+    """Refuse optimizers fp16 loss scaling cannot drive, before the first step.
 
     Raises:
-        TypeError: LBFGS with ``"16-mixed"``. ValueError: clipping with an optimizer that unscales by itself.
+        TypeError: LBFGS. ValueError: clipping with an optimizer that unscales by itself.
     """
     raw = [unwrap(opt) for opt in optimizers]
     if any(isinstance(opt, LBFGS) for opt in raw):
-        if precision == "16-mixed":
-            raise TypeError(
-                f"{owner}('16-mixed') cannot drive torch.optim.LBFGS, which re-evaluates the closure inside step()"
-                " where the scaler cannot unscale. Fix: use precision='bf16-mixed' or '32-true'."
-            )
-        rank_zero_warn(f"{owner}({precision!r}): torch.optim.LBFGS steps are not checked for inf/NaN.")
-    legacy = [type(opt).__name__ for opt in raw if _compat.optimizer_takes_grad_scaler(opt)]
-    if clip_val and legacy and precision == "16-mixed":
-        raise ValueError(legacy_clip_message(owner, legacy[0], clip_val))
+        raise TypeError(
+            f"{owner}('16-mixed') cannot drive torch.optim.LBFGS, which re-evaluates the closure inside step()"
+            " where the scaler cannot unscale. Fix: use precision='bf16-mixed', or full precision (no plugin)."
+        )
+    if clip_val:
+        for opt in raw:
+            refuse_self_unscaling(owner, opt, clip_val)
 
 
-def legacy_clip_message(owner: str, optimizer: str, clip_val: float) -> str:
-    return (
-        f"{owner}('16-mixed'): clipping (gradient_clip_val={clip_val}) with {optimizer}, which unscales inside"
-        " step(grad_scaler=...), would clip scaled gradients. Fix: use a torch optimizer with fused=True or no"
-        " clipping."
-    )
+def refuse_self_unscaling(owner: str, optimizer: Optimizer, clip_val: float) -> None:
+    """Raises ValueError for an optimizer on torch's deprecated ``step(grad_scaler=...)`` contract.
+
+    It unscales inside ``step()``, after clipping would have acted on scaled gradients.
+    """
+    if _compat.optimizer_takes_grad_scaler(optimizer):
+        raise ValueError(
+            f"{owner}('16-mixed'): clipping (gradient_clip_val={clip_val}) with {type(optimizer).__name__}, which"
+            " unscales inside step(grad_scaler=...), would clip scaled gradients. Fix: use a torch optimizer with"
+            " fused=True or no clipping."
+        )
 
 
 def has_grads(optimizer: Optimizer) -> bool:
+    """Whether any parameter has a gradient (stops at the first one)."""
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
@@ -179,14 +123,12 @@ def unwrap(optimizer: Any) -> Any:
 # ---------------------------------------------------------------------- checkpoints
 
 
-def scaler_state_of(state_dict: dict[str, Any], precision: str) -> tuple[str | None, dict[str, Any] | None]:
+def scaler_state_of(state_dict: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     """``(saved precision, scaler state)`` of a plugin's saved state.
 
     Accepts ``AccelPrecision``'s (flat, or lit_accel 0.1's nested one), ``MixedPrecision``'s or a bare ``GradScaler``'s.
     """
     saved = state_dict.get("precision", "16-mixed" if "scale" in state_dict else None)
-    if precision != "16-mixed":
-        return saved, state_dict.get("guard")
     nested = state_dict.get("scaler")
     return saved, nested if nested is not None else (state_dict if "scale" in state_dict else None)
 
@@ -194,21 +136,15 @@ def scaler_state_of(state_dict: dict[str, Any], precision: str) -> tuple[str | N
 # ---------------------------------------------------------------------- the Trainer behind a model
 
 
-def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
-    try:
-        return module.trainer if module is not None else None
-    except RuntimeError:  # "not attached to a Trainer"
-        return None
-
-
-def find_lightning_module(model: nn.Module) -> pl.LightningModule | None:
-    """The LightningModule inside a strategy's wrappers (DDP -> Lightning's wrapper -> module)."""
+def trainer_of(model: nn.Module) -> pl.Trainer | None:
+    """The Trainer of the LightningModule inside a strategy's wrappers (DDP's ``module``), if it is attached to one."""
     import lightning.pytorch as pl
 
-    current: Any = model
     for _ in range(8):  # bounded: wrappers nest a few levels at most
-        if current is None or isinstance(current, pl.LightningModule):
-            return current
-        inner = getattr(current, "module", None)
-        current = inner if inner is not None else getattr(current, "_forward_module", None)
+        if isinstance(model, pl.LightningModule):
+            try:
+                return model.trainer
+            except RuntimeError:  # "not attached to a Trainer"
+                return None
+        model = getattr(model, "module", None)
     return None

@@ -7,8 +7,8 @@ The update policy is DeepSpeed's (``runtime/fp16/loss_scaler.py``, ``consecutive
   when the streak reaches ``hysteresis`` the scale is multiplied by ``backoff_factor`` (never below ``min_scale``).
   An overflow while the scale is already at ``min_scale`` is counted as a *min-scale hit*, so the caller can stop.
 * clean step: the streak resets; after ``growth_interval`` consecutive clean steps the scale is multiplied by
-  ``growth_factor`` (never above ``max_scale``). With ``hysteresis=1`` and unbounded scale this is exactly torch's
-  ``torch._amp_update_scale_``.
+  ``growth_factor`` (never above ``max_scale``). With ``hysteresis=1`` this is torch's rule clamped to the bounds, so
+  ``update()`` runs torch's own one-kernel update and then the clamp and the counters.
 """
 
 from __future__ import annotations
@@ -26,31 +26,36 @@ from lit_accel.utilities._validation import check_bool, check_int, check_number
 
 __all__ = ["DynamicGradScaler", "ScalerStats"]
 
-# Integer state kept as int64 0-d device tensors, in this order in ``state_dict()``.
-_COUNTERS = ("overflow_streak", "skipped_steps", "growths", "backoffs", "min_scale_hits", "steps")
-_FLOAT32 = torch.finfo(torch.float32)
+# Integer state, one int64 device vector in this order (``state_dict()`` keys). ``first_min_scale_hit`` is the
+# optimizer step index (0-based) of the first min-scale hit, -1 while there was none.
+_COUNTERS = (
+    "overflow_streak",
+    "skipped_steps",
+    "growths",
+    "backoffs",
+    "min_scale_hits",
+    "steps",
+    "first_min_scale_hit",
+)
+_INITIAL = [0, 0, 0, 0, 0, 0, -1]
 
 
 class DynamicGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` with hysteresis, ``min_scale``/``max_scale`` and on-device counters.
 
-    Pass it to ``AccelPrecision("16-mixed", scaler=...)``; the plugin places it on the Trainer's device. It also
-    works on its own (a raw loop, or Lightning Fabric's ``MixedPrecision(scaler=...)``): without ``device`` its
-    tensors are created at the first ``scale()``, on the loss's device, as torch's are. ``load_state_dict`` restores
-    state (scale, tracker, streak, counters) but keeps the constructor's settings, so resuming with a lower
-    ``min_scale`` continues a run that stopped at the minimum.
+    Pass it to ``AccelPrecision("16-mixed", scaler=...)``, which places it on the Trainer's device, or use it in a raw
+    loop or any ``MixedPrecision(scaler=...)``: without ``device`` its tensors are created at the first ``scale()``, on
+    the loss's device, as torch's are. It is the ``ScalerStatsProvider`` the ``LossScaleMonitor`` reads.
+    ``load_state_dict`` keeps the constructor's settings, so resuming with a lower ``min_scale`` continues a run that
+    stopped at the minimum.
 
     Args:
         device: where the scale and counters live; ``None`` decides at ``to(device)`` or the first ``scale()``.
-        init_scale: initial loss scale.
-        growth_factor: scale multiplier after ``growth_interval`` consecutive clean steps (> 1).
-        backoff_factor: scale multiplier after ``hysteresis`` consecutive overflows (in (0, 1)).
-        growth_interval: consecutive clean steps before the scale grows.
+        init_scale, growth_factor, backoff_factor, growth_interval: as torch's (``growth_factor > 1``,
+            ``backoff_factor`` in (0, 1)).
         hysteresis: consecutive overflowing steps tolerated (skipped) before the scale backs off; 1 is torch's rule.
-        min_scale: the scale never backs off below this; an overflow at it counts as a min-scale hit.
-        max_scale: the scale never grows above this.
-        dynamic: ``False`` keeps the scale at ``init_scale`` (static loss scaling); overflowing steps are still
-            skipped and counted.
+        min_scale, max_scale: the scale's bounds; an overflow at ``min_scale`` counts as a min-scale hit.
+        dynamic: ``False`` keeps the scale at ``init_scale``; overflowing steps are still skipped and counted.
 
     Raises:
         ValueError: a setting out of range. TypeError: a setting of the wrong type.
@@ -58,8 +63,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
 
     Example::
 
-        scaler = DynamicGradScaler(init_scale=2.0**12, hysteresis=2)
-        trainer = Trainer(plugins=[AccelPrecision("16-mixed", scaler=scaler)])
+        plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2**12, hysteresis=2))
     """
 
     def __init__(
@@ -87,37 +91,11 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self.dynamic = dynamic
         self._static_scale = float(init_scale)
         self._home: torch.device | None = None
-        self._counters: dict[str, Tensor] = {}
-        self._pending_counts: dict[str, int] = {}  # loaded before the tensors exist
-        self._first_min_scale_hit: Tensor | None = None
-        # Per optimizer (by id): was its last step skipped? A host bool when ``_maybe_opt_step`` read the flag anyway
-        # (non-fused optimizers), else the 0-d device flag (fused optimizers, which skip on the device).
-        self._host_skipped: dict[int, bool] = {}
-        self._last_skipped: dict[int, bool | Tensor] = {}
+        self._counts = torch.tensor(_INITIAL)  # on the host until the device is known (loaded counts wait here)
+        self._true: Tensor | None = None  # a constant, so that one stack adds every increment
         self._grad_scale: Tensor | None = None
         if target is not None:
             self.to(target)
-
-    @classmethod
-    def from_grad_scaler(cls, scaler: torch.amp.GradScaler) -> DynamicGradScaler:
-        """A ``DynamicGradScaler`` that behaves as ``scaler`` does, with its settings and state (one host read).
-
-        torch's rule is hysteresis 1 with an unbounded scale; a disabled scaler becomes static scaling at 1.0.
-        """
-        if isinstance(scaler, cls):
-            return scaler
-        if not scaler.is_enabled():
-            return cls(init_scale=1.0, dynamic=False, min_scale=1.0, max_scale=1.0)
-        adopted = cls(
-            init_scale=scaler.get_scale(),
-            growth_factor=scaler.get_growth_factor(),
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval(),
-            min_scale=_FLOAT32.tiny,
-            max_scale=_FLOAT32.max,
-        )
-        adopted.load_state_dict(scaler.state_dict())
-        return adopted
 
     # ------------------------------------------------------------------ device
 
@@ -132,15 +110,11 @@ class DynamicGradScaler(torch.amp.GradScaler):
         _compat.reset_grad_scaler_tensors(self, target.type)
         _compat.init_grad_scaler_tensors(self, target)
         self._home = target
-        self._counters = {name: torch.zeros((), dtype=torch.int64, device=target) for name in _COUNTERS}
-        # Optimizer step index (0-based) of the first min-scale hit, -1 while there was none.
-        self._first_min_scale_hit = torch.full((), -1, dtype=torch.int64, device=target)
+        self._counts = self._counts.to(target)
+        self._true = torch.ones((), dtype=torch.bool, device=target)
         self._grad_scale = self._scale_tensor().clone()
         if state is not None:
             self.load_state_dict(state)
-        elif self._pending_counts:
-            self._fill_counters(self._pending_counts)
-            self._pending_counts = {}
         return self
 
     @property
@@ -206,9 +180,10 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
     ) -> Any:
         # torch's version reads the found-inf flags with .item() and steps unless one is set; doing the same here
-        # keeps that (unavoidable) host value, so callers learn about skips without a second sync.
+        # keeps that (unavoidable) host value with the iteration's state, so callers learn about the skip without a
+        # second sync (``_compat.grad_scaler_step_skipped``); update() forgets it with the rest.
         skipped = bool(sum(flag.item() for flag in _compat.optimizer_state_found_infs(optimizer_state)))
-        self._host_skipped[id(optimizer)] = skipped
+        optimizer_state[_compat.HOST_FOUND_INF] = skipped
         return None if skipped else optimizer.step(*args, **kwargs)
 
     @override
@@ -220,101 +195,72 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._require("update")
         if new_scale is not None:
             super().update(new_scale)
-            self._host_skipped.clear()
             return
-        scale, tracker = self._scale_tensor(), self._tracker_tensor()
-        per_optimizer = _compat.grad_scaler_found_infs(self)
-        if not any(per_optimizer.values()):
+        scale = self._scale_tensor()
+        flags = [flag.to(scale.device) for flag in _compat.grad_scaler_found_infs(self)]
+        if not flags:
             raise RuntimeError("DynamicGradScaler.update(): no inf checks were recorded since the last update.")
-        total: Tensor | None = None
-        self._last_skipped = {}
-        for key, flags in per_optimizer.items():
-            if not flags:
-                continue
-            flag = flags[0] if len(flags) == 1 else torch.stack([f.to(scale.device) for f in flags]).sum()
-            self._last_skipped[key] = self._host_skipped.get(key, flag)
-            total = flag.to(scale.device) if total is None else total + flag.to(scale.device)
-        self._host_skipped.clear()
-        assert total is not None
-        self._apply_policy(total > 0, scale, tracker)
-        _compat.reset_grad_scaler_iteration(self)
+        overflow = (flags[0] if len(flags) == 1 else torch.stack(flags).sum()) > 0
+        old = scale.clone()
+        if self.dynamic and self.hysteresis == 1:
+            super().update()  # torch's own rule, one kernel (and the end of the iteration); then the bounds
+            scale.clamp_(self.min_scale, self.max_scale)
+            backoff = overflow
+        else:
+            backoff = self._hysteresis_policy(overflow, scale)
+            _compat.reset_grad_scaler_iteration(self)
+        c = self._counts  # overflow_streak, skipped_steps, growths, backoffs, min_scale_hits, steps, first hit
+        hit = backoff & (old <= self.min_scale)
+        torch.where(hit & (c[6] < 0), c[5], c[6], out=c[6])
+        c[1:6].add_(torch.stack((overflow, scale > old, scale < old, hit, self._true)))  # type: ignore[arg-type]
 
-    def _apply_policy(self, overflow: Tensor, scale: Tensor, tracker: Tensor) -> None:
-        c, first = self._counters, self._first_min_scale_hit
-        assert first is not None
-        streak = torch.where(overflow, c["overflow_streak"] + 1, 0)
-        c["skipped_steps"].add_(overflow)
-        if self.dynamic:
-            backoff = overflow & (streak >= self.hysteresis)
-            hit = backoff & (scale <= self.min_scale)
-            tracker_next = torch.where(overflow, 0, tracker + 1)
-            grow = tracker_next >= self._growth_interval
-            new_scale = torch.where(
-                backoff,
-                (scale * self._backoff_factor).clamp_(min=self.min_scale),
-                torch.where(grow, (scale * self._growth_factor).clamp_(max=self.max_scale), scale),
-            )
-            c["growths"].add_(new_scale > scale)
-            c["backoffs"].add_(new_scale < scale)
-            c["min_scale_hits"].add_(hit)
-            first.copy_(torch.where(hit & (first < 0), c["steps"], first))
-            tracker.copy_(torch.where(grow, 0, tracker_next))
-            streak = torch.where(backoff, 0, streak)
-            scale.copy_(new_scale)
-        c["overflow_streak"].copy_(streak)
-        c["steps"].add_(1)
+    def _hysteresis_policy(self, overflow: Tensor, scale: Tensor) -> Tensor:
+        """Scale, tracker and streak after a step (``hysteresis > 1``, static scaling); returns whether it backs off."""
+        tracker, streak = self._tracker_tensor(), self._counts[0]
+        streak_next = torch.where(overflow, streak + 1, 0)
+        if not self.dynamic:
+            streak.copy_(streak_next)
+            return torch.zeros_like(overflow)
+        backoff = overflow & (streak_next >= self.hysteresis)
+        tracker_next = torch.where(overflow, 0, tracker + 1)
+        grow = tracker_next >= self._growth_interval
+        grown = torch.where(grow, (scale * self._growth_factor).clamp_(max=self.max_scale), scale)
+        scale.copy_(torch.where(backoff, (scale * self._backoff_factor).clamp_(min=self.min_scale), grown))
+        tracker.copy_(torch.where(grow, 0, tracker_next))
+        streak.copy_(torch.where(backoff, 0, streak_next))
+        return backoff
 
     # ------------------------------------------------------------------ reading
 
-    def last_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool | Tensor | None:
-        """Whether the optimizer's last step was skipped: a host bool when known for free, else a 0-d device flag.
+    @property
+    def loss_scaling(self) -> bool:
+        """Always True: a ``DynamicGradScaler`` cannot be disabled (the ``ScalerStatsProvider`` protocol)."""
+        return True
 
-        ``None`` before its first step. Turning a device flag into a bool (``bool(flag)``) is a host sync.
-        """
-        return self._last_skipped.get(id(optimizer))
-
-    def stats(self) -> ScalerStats:
-        """Snapshot of scale and counters as 0-d device tensors (no host sync)."""
-        self._require("stats")
-        c = self._counters
-        return ScalerStats(
-            scale=self._scale_tensor().detach().clone(),
-            growth_tracker=self._tracker_tensor().to(torch.int64),
-            overflow_streak=c["overflow_streak"].clone(),
-            skipped_steps=c["skipped_steps"].clone(),
-            growths=c["growths"].clone(),
-            backoffs=c["backoffs"].clone(),
-        )
+    def scaler_stats(self) -> ScalerStats:
+        """Snapshot of scale and counters as 0-d device tensors (no host sync): what ``LossScaleMonitor`` reads."""
+        self._require("scaler_stats")
+        c = self._counts.clone()
+        return ScalerStats(self._scale_tensor().detach().clone(), self._tracker_tensor().to(torch.int64), *c[:4])
 
     def read_min_scale_state(self) -> tuple[float, int, int]:
         """``(scale, min_scale_hits, step of the first hit or -1)`` as Python numbers: one host sync."""
         self._require("read_min_scale_state")
-        assert self._first_min_scale_hit is not None
-        c = self._counters
         # float64 holds the int64 counters exactly below 2**53.
-        parts = [self._scale_tensor().double(), c["min_scale_hits"].double(), self._first_min_scale_hit.double()]
-        values = torch.stack(parts).tolist()
+        values = torch.cat((self._scale_tensor().double().view(1), self._counts[4:7:2].double())).tolist()
         return values[0], int(values[1]), int(values[2])
 
     def counter(self, name: str) -> Tensor:
         """One live 0-d int64 counter on the device: one of ``overflow_streak`` ... ``steps`` (see ``state_dict``)."""
         self._require("counter")
-        return self._counters[name]
+        return self._counts[_COUNTERS.index(name)]
 
     # ------------------------------------------------------------------ checkpointing
 
     @override
     def state_dict(self) -> dict[str, Any]:
         """The entries of torch's scaler plus settings, streak and every counter, as Python numbers (syncs)."""
-        state = super().state_dict()
-        if self._home is None:
-            counts = {name: self._pending_counts.get(name, 0) for name in (*_COUNTERS, "first_min_scale_hit")}
-            counts["first_min_scale_hit"] = self._pending_counts.get("first_min_scale_hit", -1)
-        else:
-            assert self._first_min_scale_hit is not None
-            values = torch.stack([*self._counters.values(), self._first_min_scale_hit]).tolist()
-            counts = dict(zip((*_COUNTERS, "first_min_scale_hit"), values))
-        state.update(counts)
+        state = {**super().state_dict(), **dict(zip(_COUNTERS, self._counts.tolist()))}
         state.update(hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale)
         state["dynamic"] = self.dynamic
         return state
@@ -329,36 +275,17 @@ class DynamicGradScaler(torch.amp.GradScaler):
         super().load_state_dict(state_dict)
         self._growth_factor, self._backoff_factor, self._growth_interval = settings
         scale = min(max(float(state_dict["scale"]), self.min_scale), self.max_scale)
-        if not self.dynamic:
-            scale = self._static_scale  # a static scale is a setting, not state
-        self._init_scale = scale
-        counts = {name: int(state_dict.get(name, 0)) for name in _COUNTERS}
-        counts["first_min_scale_hit"] = int(state_dict.get("first_min_scale_hit", -1))
-        if self._home is None:
-            self._pending_counts = counts
-            return
-        assert self._grad_scale is not None
-        self._scale_tensor().fill_(scale)
-        self._grad_scale.fill_(scale)
-        self._fill_counters(counts)
-
-    def _fill_counters(self, counts: dict[str, int]) -> None:
-        assert self._first_min_scale_hit is not None
-        for name in _COUNTERS:
-            self._counters[name].fill_(counts.get(name, 0))
-        self._first_min_scale_hit.fill_(counts.get("first_min_scale_hit", -1))
+        self._init_scale = scale if self.dynamic else self._static_scale  # a static scale is a setting, not state
+        counts = [int(state_dict.get(name, initial)) for name, initial in zip(_COUNTERS, _INITIAL)]
+        self._counts.copy_(torch.tensor(counts))  # a host copy until the device is known
+        if self._home is not None:
+            assert self._grad_scale is not None
+            self._scale_tensor().fill_(self._init_scale)
+            self._grad_scale.fill_(self._init_scale)
 
 
-def _validate(
-    init_scale: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float,
-    max_scale: float,
-    dynamic: bool,
-) -> None:
+def _validate(init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int, hysteresis: int,
+              min_scale: float, max_scale: float, dynamic: bool) -> None:  # fmt: skip
     """The one place the scaler's settings are checked; every message names the value and the fix."""
     owner = "DynamicGradScaler"
     check_number(owner, "init_scale", init_scale, fix="pass init_scale=65536.0 (2**16, the usual start)")

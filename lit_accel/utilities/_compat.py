@@ -18,20 +18,16 @@ if TYPE_CHECKING:
 
 
 def grad_scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
-    """The scale tensor of a ``GradScaler`` on its device, read without a host sync (``GradScaler._scale``).
+    """The scale tensor of a ``GradScaler`` without a host sync (``_scale``; ``get_scale()`` syncs).
 
-    ``None`` until the first ``scaler.scale(...)`` call creates it lazily, and for a disabled scaler (which has no
-    such attribute). The public ``get_scale()`` syncs.
+    ``None`` until the first ``scaler.scale(...)`` creates it, and for a disabled scaler (which has no such attribute).
     """
     return scaler._scale if scaler.is_enabled() else None
 
 
 @contextmanager
 def grad_scaler_scale_swapped(scaler: torch.amp.GradScaler, scale: torch.Tensor) -> Iterator[None]:
-    """Let ``GradScaler``'s own ``unscale_``/``step`` use ``scale`` instead of its current one (``GradScaler._scale``).
-
-    Both read ``self._scale`` for the divisor (``unscale_``) or the scale handed to fused kernels (``step``).
-    """
+    """Let ``GradScaler``'s own ``unscale_``/``step`` divide by (or hand fused kernels) ``scale`` (``_scale``)."""
     previous = scaler._scale
     scaler._scale = scale
     try:
@@ -43,8 +39,7 @@ def grad_scaler_scale_swapped(scaler: torch.amp.GradScaler, scale: torch.Tensor)
 def grad_scaler_grads_unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``scaler.unscale_(optimizer)`` already ran in this iteration (``GradScaler._per_optimizer_states``).
 
-    False for fused optimizers, which ``GradScaler.step`` hands the scale to instead of unscaling their gradients.
-    ``.get`` avoids creating an entry in the ``defaultdict``.
+    False for fused optimizers, whose kernel ``GradScaler.step`` hands the scale. ``.get``: no entry in the defaultdict.
     """
     if not scaler.is_enabled():
         return False
@@ -68,18 +63,13 @@ def set_layer_sync(strategy: object, layer_sync: LayerSync | None) -> None:
 
 # --- AccelPrecision / DynamicGradScaler (tests: tests/utilities/test_compat_precision.py) ---
 
-#: The ``GradScaler`` method that ``step()`` calls for optimizers that do not take the scale themselves; it reads the
-#: found-inf flags with ``.item()`` (torch's one host sync per step) and calls ``optimizer.step()`` unless one is set.
-#: ``DynamicGradScaler`` overrides it to keep that host value.
+#: The ``GradScaler`` method ``step()`` calls for non-fused optimizers: it reads the found-inf flags with ``.item()``
+#: (torch's one host sync per step) and steps unless one is set. ``DynamicGradScaler`` overrides it to keep that value.
 GRAD_SCALER_SKIP_HOOK = "_maybe_opt_step"
 
 
 def check_grad_scaler_skip_hook() -> None:
-    """Raise if ``torch.amp.GradScaler`` no longer has ``_maybe_opt_step(optimizer, optimizer_state, ...)``.
-
-    Without it, ``DynamicGradScaler``'s override would silently never run and skipped steps would go unnoticed on
-    the host.
-    """
+    """Raise if ``GradScaler._maybe_opt_step(optimizer, optimizer_state, ...)`` is gone (the override would not run)."""
     import inspect
 
     hook = getattr(torch.amp.GradScaler, GRAD_SCALER_SKIP_HOOK, None)
@@ -97,24 +87,37 @@ def optimizer_state_found_infs(optimizer_state: dict[str, Any]) -> list[torch.Te
     return list(optimizer_state["found_inf_per_device"].values())
 
 
-def grad_scaler_found_infs(scaler: torch.amp.GradScaler) -> dict[int, list[torch.Tensor]]:
-    """The found-inf flags recorded since the last ``update()``, keyed by ``id(optimizer)``, without a host sync."""
-    return {key: optimizer_state_found_infs(state) for key, state in scaler._per_optimizer_states.items()}
+def grad_scaler_found_infs(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
+    """Every found-inf flag recorded since the last ``update()`` (all optimizers, all devices), without a host sync."""
+    return [flag for state in scaler._per_optimizer_states.values() for flag in optimizer_state_found_infs(state)]
 
 
 def reset_grad_scaler_iteration(scaler: torch.amp.GradScaler) -> None:
-    """Forget the per-optimizer stages and found-inf flags, as ``GradScaler.update()`` does at its end.
+    """Forget the per-optimizer stages and found-inf flags, as ``update()`` does (a disabled scaler has none)."""
+    if scaler.is_enabled():
+        scaler._per_optimizer_states.clear()  # a defaultdict: clear() keeps its factory
 
-    ``_per_optimizer_states`` is a ``defaultdict``: ``clear()`` keeps its factory.
+
+#: Where ``DynamicGradScaler._maybe_opt_step`` keeps torch's host read of the flags: in the optimizer's iteration state
+#: (``GradScaler._per_optimizer_states[id(optimizer)]``, a plain dict that ``update()`` drops with the rest).
+HOST_FOUND_INF = "lit_accel_found_inf_on_host"
+
+
+def grad_scaler_step_skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+    """Whether ``scaler.step(optimizer)`` just skipped (ask before ``update()``), without a sync.
+
+    A host bool where ``DynamicGradScaler`` kept torch's read (non-fused optimizers), else the 0-d device flag.
     """
-    scaler._per_optimizer_states.clear()
+    state = scaler._per_optimizer_states.get(id(optimizer)) if scaler.is_enabled() else None
+    flags = optimizer_state_found_infs(state) if state is not None else []
+    if not flags:
+        return False
+    summed = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
+    return state.get(HOST_FOUND_INF, summed)
 
 
 def reset_grad_scaler_tensors(scaler: torch.amp.GradScaler, device_type: str) -> None:
-    """Drop the scale and growth-tracker tensors and set the device type torch checks ``update(new_scale)`` against.
-
-    The next :func:`init_grad_scaler_tensors` recreates them from ``_init_scale``/``_init_growth_tracker``.
-    """
+    """Drop the scale and tracker tensors (:func:`init_grad_scaler_tensors` recreates them) and set the device type."""
     scaler._scale = None
     scaler._growth_tracker = None
     scaler._device = device_type

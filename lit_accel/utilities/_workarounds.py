@@ -10,10 +10,8 @@ versions, and the fix switches itself off on fixed ones (:func:`applies`). Acces
 from __future__ import annotations
 
 import contextlib
-import copyreg
-import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -25,16 +23,19 @@ from packaging.version import Version
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
     from lit_accel.protocols import SkippedStepRecord
 
 __all__ = [
     "WORKAROUNDS",
+    "SkipAwareScheduler",
     "Workaround",
     "applies",
     "check_static_graph_accumulation",
-    "make_skip_aware",
     "rescale_partial_window_",
     "resume_finished_epoch",
+    "skip_aware_schedulers",
     "unscale_with_backward_scale",
 ]
 
@@ -50,8 +51,7 @@ class Workaround:
 
     def applies(self) -> bool:
         """Whether the installed ``package`` is in the affected range (pre-releases included)."""
-        installed = _installed(self.package)
-        return installed is not None and SpecifierSet(self.affected).contains(installed, prereleases=True)
+        return _in_range(self.package, self.affected)
 
 
 WORKAROUNDS: dict[str, Workaround] = {
@@ -94,6 +94,12 @@ WORKAROUNDS: dict[str, Workaround] = {
 }
 
 
+@cache  # asked on every fp16 step (unscale_with_backward_scale): parsing the range each time took ~60 us
+def _in_range(package: str, affected: str) -> bool:
+    installed = _installed(package)
+    return installed is not None and SpecifierSet(affected).contains(installed, prereleases=True)
+
+
 @cache
 def _installed(package: str) -> Version | None:
     try:
@@ -125,69 +131,49 @@ def rescale_partial_window_(params: Iterable[torch.Tensor], accumulation: int, m
 
 # ---------------------------------------------------------------------- Lightning #5558: skip-aware schedulers
 
-# scheduler -> "was the last step of your optimizer skipped?". Weak keys, and nothing stored on the scheduler, whose
-# state_dict() is its whole __dict__ (an attribute there would land in every checkpoint).
-_SKIP_SOURCES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
-_SKIP_AWARE_CLASSES: dict[type, type] = {}
+
+class SkipAwareScheduler:
+    """A step-interval LR scheduler that holds still after a skipped optimizer step; the rest is ``scheduler``'s.
+
+    Lightning steps every step-interval scheduler after each optimizer step, skipped or not; this wrapper asks
+    ``record.step_was_skipped(optimizer)`` first. ``state_dict()``/``load_state_dict()`` are the scheduler's own, so
+    checkpoints are those of plain Lightning; every other attribute is read from the user's ``scheduler``.
+    """
+
+    def __init__(self, scheduler: Any, record: SkippedStepRecord) -> None:
+        self.scheduler = scheduler
+        self.record = record
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.record.step_was_skipped(getattr(self.scheduler, "optimizer", None)):
+            return None  # the optimizer did not step: neither does the schedule
+        return self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:  # optimizer, get_last_lr(), base_lrs, last_epoch, ...
+        if name == "scheduler":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
 
-def make_skip_aware(scheduler: Any, record: SkippedStepRecord) -> bool:
-    """Make ``scheduler.step()`` a no-op after a skipped optimizer step; False if the scheduler cannot be changed.
+def skip_aware_schedulers(configs: list[LRSchedulerConfig], record: SkippedStepRecord) -> list[LRSchedulerConfig]:
+    """``configs`` with every step-interval scheduler wrapped in a :class:`SkipAwareScheduler` that asks ``record``.
 
-    The scheduler's class is swapped for a cached subclass that asks ``record.step_was_skipped(optimizer)``; it
-    pickles and deep-copies as the original class, so checkpoints are unchanged.
+    Call it where the schedulers are handed over (``Precision.connect``, or a callback's ``on_fit_start``).
     """
     if not applies("skip_aware_schedulers"):
-        return False
-    record_ref = weakref.ref(record)
-    optimizer = getattr(scheduler, "optimizer", None)
-
-    def should_skip() -> bool:
-        owner = record_ref()
-        return owner is not None and owner.step_was_skipped(optimizer)
-
-    cls = type(scheduler)
-    try:
-        _SKIP_SOURCES[scheduler] = should_skip
-        if not getattr(cls, "_lit_accel_skip_aware", False):
-            scheduler.__class__ = _skip_aware_class(cls)
-    except TypeError:  # not weak-referenceable, or a layout that cannot be subclassed (__slots__)
-        with contextlib.suppress(TypeError):
-            _SKIP_SOURCES.pop(scheduler, None)
-        return False
-    return True
-
-
-def _new_instance(cls: type, *args: Any) -> Any:
-    """``copyreg.__newobj__`` without its class check: unpickles a skip-aware scheduler as its original class."""
-    return cls.__new__(cls, *args)
-
-
-def _skip_aware_class(cls: type) -> type:
-    cached = _SKIP_AWARE_CLASSES.get(cls)
-    if cached is not None:
-        return cached
-
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        should_skip = _SKIP_SOURCES.get(self)
-        if should_skip is not None and should_skip():
-            return None  # the optimizer did not step: neither does the schedule
-        return cls.step(self, *args, **kwargs)
-
-    def __reduce_ex__(self: Any, protocol: Any) -> Any:
-        reduced = cls.__reduce_ex__(self, protocol)
-        if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1] and reduced[1][0] is new_cls:
-            func = _new_instance if reduced[0] is copyreg.__newobj__ else reduced[0]
-            reduced = (func, (cls, *reduced[1][1:]), *reduced[2:])
-        return reduced
-
-    new_cls = type(
-        f"SkipAware{cls.__name__}",
-        (cls,),
-        {"step": step, "__reduce_ex__": __reduce_ex__, "_lit_accel_skip_aware": True, "__module__": __name__},
-    )
-    _SKIP_AWARE_CLASSES[cls] = new_cls
-    return new_cls
+        return configs
+    return [
+        replace(config, scheduler=SkipAwareScheduler(config.scheduler, record))
+        if config.interval == "step" and not isinstance(config.scheduler, SkipAwareScheduler)
+        else config
+        for config in configs
+    ]
 
 
 # ---------------------------------------------------------------------- Lightning #19617: finished-epoch resume

@@ -56,8 +56,8 @@ def test_gpu_check_dry_run_passes_and_prints_the_table_last(tmp_path):
     # Fused optimizers: nothing added; the positive control shows the counter sees the one documented host read.
     syncs = result["details"]["syncs"]
     assert syncs["16-mixed, fused AdamW"]["added_per_step"] == 0
-    assert syncs["bf16-mixed, fused AdamW, on_nonfinite='raise'"]["added_per_step"] == 0
-    assert syncs["bf16-mixed, AdamW (control), on_nonfinite='raise'"]["added_per_step"] == 1
+    assert syncs["bf16-mixed, fused AdamW, NonFiniteGuard(action='raise')"]["added_per_step"] == 0
+    assert syncs["bf16-mixed, AdamW (control), NonFiniteGuard(action='raise')"]["added_per_step"] == 1
     # The MFU path ran (a peak was given), for the script's own count and the EfficiencyMonitor's.
     vit = result["details"]["vit"]
     for precision in ("32-true", "bf16-mixed", "16-mixed"):

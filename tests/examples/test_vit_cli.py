@@ -20,9 +20,10 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import Precision
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_accel import AccelDDP, AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor
+from lit_accel import AccelDDP, AccelPrecision, DynamicGradScaler, EfficiencyMonitor, LossScaleMonitor, NonFiniteGuard
 from tests.examples._scripts import imported_example, unexpected_stderr_lines
 
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
@@ -80,7 +81,8 @@ def test_the_shipped_yaml_builds_the_case_studys_objects(vit_cli, tmp_path):
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
     strategy = trainer.strategy
     assert isinstance(strategy, AccelDDP) and (strategy.global_batch_size, strategy.micro_batch_size) == (32, 16)
-    assert isinstance(trainer.precision_plugin, AccelPrecision) and trainer.precision_plugin.precision == "32-true"
+    assert type(trainer.precision_plugin) is Precision and trainer.precision == "32-true"  # fp32: Lightning's own
+    assert any(isinstance(cb, NonFiniteGuard) for cb in trainer.callbacks)
     assert (trainer.max_epochs, trainer.gradient_clip_val, trainer.log_every_n_steps) == (30, 1.0, 10)
     efficiency = next(cb for cb in trainer.callbacks if isinstance(cb, EfficiencyMonitor))
     assert efficiency.report_path == tmp_path / "efficiency.json"  # linked from --output_dir
@@ -96,12 +98,13 @@ def test_the_shipped_yaml_builds_the_case_studys_objects(vit_cli, tmp_path):
 
 
 def test_flags_reach_nested_objects_and_links_follow_the_model(vit_cli, tmp_path):
-    cli = _build(vit_cli, tmp_path, "--trainer.plugins.precision=16-mixed",
-                 "--trainer.plugins.scaler=lit_accel.DynamicGradScaler", "--trainer.plugins.scaler.hysteresis=2",
-                 "--trainer.strategy.global_batch_size=64", "--model.model_name=resnet18", "--data.img_size=32",
-                 "--model.lr=1e-3")  # fmt: skip
+    cli = _build(vit_cli, tmp_path, "--trainer.plugins=lit_accel.AccelPrecision",
+                 "--trainer.plugins.precision=16-mixed", "--trainer.plugins.scaler=lit_accel.DynamicGradScaler",
+                 "--trainer.plugins.scaler.hysteresis=2", "--trainer.strategy.global_batch_size=64",
+                 "--model.model_name=resnet18", "--data.img_size=32", "--model.lr=1e-3")  # fmt: skip
     plugin, strategy = cli.trainer.precision_plugin, cli.trainer.strategy
-    assert plugin.precision == "16-mixed" and isinstance(plugin.scaler, DynamicGradScaler)
+    assert isinstance(plugin, AccelPrecision) and plugin.precision == "16-mixed"
+    assert isinstance(plugin.scaler, DynamicGradScaler)
     assert plugin.scaler.hysteresis == 2
     assert strategy.global_batch_size == 64 and strategy.micro_batch_size == 16  # the YAML's other argument is kept
     assert cli.datamodule.spec.train.tensors[0].shape[-1] == 32 and cli.model.hparams.lr == 1e-3

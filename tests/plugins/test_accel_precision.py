@@ -1,10 +1,13 @@
-"""AccelPrecision in real (CPU) Trainer runs: fp16 loss scaling, skips, schedulers, clipping, guard, resume, DDP."""
+"""AccelPrecision in real (CPU) Trainer runs: fp16 loss scaling, skips, schedulers, clipping, resume, DDP."""
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import pickle
 import re
+import textwrap
 
 import lightning.pytorch as pl
 import pytest
@@ -13,7 +16,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lit_accel import AccelPrecision, DynamicGradScaler
+from lit_accel import AccelPrecision, DynamicGradScaler, NonFiniteGuard
+from lit_accel.protocols import ScalerStatsProvider, SkippedStepRecord
+from lit_accel.utilities._workarounds import SkipAwareScheduler
 from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
 
 INF = float("inf")
@@ -52,14 +57,15 @@ class Model(BNModel):
 
 
 class Recorder(pl.Callback):
-    """After every optimizer step: weights, optimizer state, LR and the plugin's counters."""
+    """After every optimizer step: weights, optimizer state, LR and the scaler's (or the NonFiniteGuard's) counters."""
 
     def __init__(self):
         self.rows = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        prec = trainer.precision_plugin
-        stats = prec.scaler_stats() if isinstance(prec, AccelPrecision) else None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        stats = scaler.scaler_stats() if isinstance(scaler, DynamicGradScaler) else None
+        guard = next((cb for cb in trainer.callbacks if isinstance(cb, NonFiniteGuard)), None)
         self.rows.append(
             dict(
                 step=trainer.global_step,
@@ -67,14 +73,14 @@ class Recorder(pl.Callback):
                 opt_state=copy.deepcopy(trainer.optimizers[0].state_dict()["state"]),
                 lr=trainer.optimizers[0].param_groups[0]["lr"],
                 scale=stats.scale.item() if stats else None,
-                skipped=stats.skipped_steps.item() if stats else None,
+                skipped=stats.skipped_steps.item() if stats else (guard.skipped_steps if guard else None),
                 streak=stats.overflow_streak.item() if stats else None,
             )
         )
 
 
 def _fit(model, plugin, steps, recorder=None, loader_n=64, batch=8, **kwargs):
-    callbacks = [recorder] if recorder is not None else []
+    callbacks = [*kwargs.pop("callbacks", []), *([recorder] if recorder is not None else [])]
     plugins = [plugin] if plugin is not None else []
     trainer = pl.Trainer(**small_trainer_kwargs(max_steps=steps, plugins=plugins, callbacks=callbacks, **kwargs))
     trainer.fit(model, make_loader(make_dataset(loader_n), batch))
@@ -95,10 +101,9 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize(
     ("kwargs", "value"),
     [
-        (dict(precision="16"), "'16'"),
         (dict(precision="fp16-mixed"), "'fp16-mixed'"),
+        (dict(precision="32-true"), "'32-true'"),
         (dict(on_min_scale="ignore"), "'ignore'"),
-        (dict(on_nonfinite="warn"), "'warn'"),
         (dict(device="mps"), "'mps'"),
         (dict(min_scale_check_interval=0), "min_scale_check_interval=0"),
     ],
@@ -134,6 +139,61 @@ def test_bad_scaler_settings_raise_value_error_naming_the_value(kwargs, value):
 def test_wrong_types_raise_type_error(kwargs):
     with pytest.raises(TypeError, match="DynamicGradScaler"):
         DynamicGradScaler(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("spellings", "precision"),
+    [((16, "16", "16-mixed"), "16-mixed"), (("bf16", "bf16-mixed"), "bf16-mixed"), (("fp8-mixed",), "fp8-mixed")],
+)
+def test_every_spelling_lightning_accepts_maps_to_the_same_plugin(spellings, precision):
+    plugins = [AccelPrecision(spelling, "cpu") for spelling in spellings]
+    assert all(type(p) is AccelPrecision and p.precision == precision for p in plugins)
+    assert all((p.scaler is None) is (precision != "16-mixed") for p in plugins)
+
+
+@pytest.mark.parametrize(
+    ("value", "closest"),
+    [("fp16-mixed", "16-mixed"), ("fp16", "16-mixed"), ("fp8", "fp8-mixed"), ("bf16-mix", "bf16-mixed")],
+)
+def test_an_unknown_precision_names_the_closest_one_and_no_gpu(value, closest):
+    with pytest.raises(ValueError, match=re.escape(f"Did you mean {closest!r}? Fix: pass precision={closest!r}")) as e:
+        AccelPrecision(value)
+    assert "Ampere" not in str(e.value) and "GPU" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [32, "32", "32-true"])
+def test_full_precision_is_refused_with_what_to_use_instead(value):
+    with pytest.raises(ValueError, match=r"drop the plugin.*Trainer\(precision='32.*'\).*NonFiniteGuard\(\)"):
+        AccelPrecision(value)
+
+
+def test_a_plain_class_that_pickles_without_hooks(tmp_path):
+    assert type(AccelPrecision) is type and issubclass(AccelPrecision, MixedPrecision)
+    assert not {"__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__new__"} & set(vars(AccelPrecision))
+    configured = AccelPrecision(
+        "16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8, hysteresis=2), on_min_scale="warn"
+    )
+    clone = pickle.loads(pickle.dumps(configured))
+    assert type(clone) is AccelPrecision and clone.precision == "16-mixed" and clone.min_scale_stop.action == "warn"
+    assert (clone.scaler.hysteresis, clone.loss_scale) == (2, 256.0)
+    plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8))
+    trainer = _fit(Model(bad_steps={1}, scheduler="step"), plugin, steps=3)
+    fitted = pickle.loads(pickle.dumps(plugin))
+    assert fitted.state_dict() == plugin.state_dict() and fitted.skipped_steps == 1
+    trainer.save_checkpoint(tmp_path / "fitted.ckpt")
+    checkpoint = torch.load(tmp_path / "fitted.ckpt", weights_only=True)  # plain data: no lit_accel class inside
+    assert checkpoint["AccelPrecision"]["skipped_steps"] == 1 and checkpoint["MixedPrecision"]["scale"] == 128.0
+
+
+def test_optimizer_step_is_as_linear_as_lightnings():
+    """Cyclomatic complexity (1 + branches + extra boolean operands) of optimizer_step stays <= 8."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(AccelPrecision.optimizer_step)))
+    branches = (ast.If, ast.For, ast.While, ast.ExceptHandler, ast.IfExp, ast.comprehension, ast.match_case)
+    nodes = list(ast.walk(tree))
+    complexity = 1 + sum(isinstance(n, branches) for n in nodes)
+    complexity += sum(len(n.values) - 1 for n in nodes if isinstance(n, ast.BoolOp))
+    assert complexity <= 8
+    assert not any(isinstance(n, ast.Try) for n in nodes)  # no decision from an error's text
 
 
 def test_a_device_that_disagrees_with_the_trainer_is_refused_at_setup():
@@ -210,7 +270,7 @@ def test_hysteresis_two_skips_once_without_backing_off_and_backs_off_on_the_seco
     assert [row["skipped"] for row in r] == [0, 1, 1, 2, 3, 3]
     for skipped_step in (1, 3, 4):
         assert _same(r[skipped_step]["params"], r[skipped_step - 1]["params"])
-    stats = plugin.scaler_stats()
+    stats = plugin.scaler.scaler_stats()
     assert (stats.backoffs.item(), stats.growths.item()) == (1, 0)
 
 
@@ -284,9 +344,12 @@ def test_on_min_scale_warn_keeps_skipping_at_min_scale():
         ("16-mixed", "adamw", {}, None, 6),  # torch's found-inf read in GradScaler.step, reused
         ("16-mixed", "adamw_fused", dict(min_scale_check_interval=4), None, 1),  # the periodic min-scale read
         ("16-mixed", "adamw_fused", {}, "step", 6),  # the scheduler needs to know about skips
-        ("bf16-mixed", "adamw", {}, None, 6),
-        ("bf16-mixed", "adamw_fused", dict(on_nonfinite="skip"), None, 0),
-        ("bf16-mixed", "adamw_fused", {}, None, 0),  # on_nonfinite="raise": read later from a host copy
+        # bf16 + NonFiniteGuard(**kwargs)
+        ("bf16-mixed", "adamw", {}, None, 6),  # whether the step may run
+        ("bf16-mixed", "adamw", dict(action="skip"), "step", 6),  # the same read; the scheduler reuses it
+        ("bf16-mixed", "adamw_fused", dict(action="skip"), None, 0),
+        ("bf16-mixed", "adamw_fused", {}, None, 0),  # action="raise": read later from a host copy
+        ("bf16-mixed", "adamw_fused", dict(action="skip"), "step", 6),  # the scheduler needs to know about skips
     ],
 )
 def test_host_reads_per_step_match_the_documented_table(monkeypatch, precision, optimizer, kwargs, scheduler, expected):
@@ -303,8 +366,11 @@ def test_host_reads_per_step_match_the_documented_table(monkeypatch, precision, 
             return _original(self, *args, **kw)
 
         monkeypatch.setattr(torch.Tensor, name, wrapper)
-    init = dict(scaler=DynamicGradScaler(init_scale=2.0**8)) if precision == "16-mixed" else {}
-    _fit(Model(optimizer=optimizer, scheduler=scheduler), AccelPrecision(precision, **init, **kwargs), steps=6)
+    if precision == "16-mixed":
+        plugin, callbacks = AccelPrecision(precision, scaler=DynamicGradScaler(init_scale=2.0**8), **kwargs), []
+    else:
+        plugin, callbacks = AccelPrecision(precision), [NonFiniteGuard(**kwargs)]
+    _fit(Model(optimizer=optimizer, scheduler=scheduler), plugin, steps=6, callbacks=callbacks)
     assert len(reads) == expected, reads
 
 
@@ -325,7 +391,9 @@ def test_step_lr_is_not_advanced_on_a_skipped_step(optimizer):
     assert taken == [1, 2, 2, 3, 4]
     assert [row["lr"] for row in rec.rows] == [0.1 * 0.5**k for k in taken]
     assert trainer.global_step == 5
-    assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "SkipAwareStepLR"
+    wrapper = trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(wrapper, SkipAwareScheduler) and type(wrapper.scheduler) is torch.optim.lr_scheduler.StepLR
+    assert wrapper.record is trainer.precision_plugin and isinstance(wrapper.record, SkippedStepRecord)
 
 
 def test_upstream_still_skip_aware_schedulers():
@@ -336,15 +404,24 @@ def test_upstream_still_skip_aware_schedulers():
     assert [row["lr"] for row in rec.rows] == [0.1 * 0.5**k for k in range(1, 6)]
 
 
-def test_skip_aware_scheduler_keeps_its_state_dict_and_pickles_as_the_original_class():
+def test_skip_aware_scheduler_keeps_its_state_dict_and_checkpoints_load_into_plain_lightning(tmp_path):
     trainer = _fit(
         Model(scheduler="step"), AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8)), steps=2
     )
-    sched = trainer.lr_scheduler_configs[0].scheduler
+    wrapper = trainer.lr_scheduler_configs[0].scheduler
     fresh = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), 1)
-    assert sched.state_dict().keys() == fresh.state_dict().keys()
-    assert type(pickle.loads(pickle.dumps(sched))) is torch.optim.lr_scheduler.StepLR
-    assert type(copy.deepcopy(sched)) is torch.optim.lr_scheduler.StepLR
+    assert (
+        wrapper.state_dict() == wrapper.scheduler.state_dict()
+        and wrapper.state_dict().keys() == fresh.state_dict().keys()
+    )
+    assert wrapper.get_last_lr() == wrapper.scheduler.get_last_lr() and wrapper.optimizer is trainer.optimizers[0]
+    assert type(pickle.loads(pickle.dumps(wrapper))) is SkipAwareScheduler  # ordinary pickling
+    trainer.save_checkpoint(tmp_path / "accel.ckpt")
+    # Plain Lightning (its own MixedPrecision, a plain StepLR) resumes from it: the scheduler's state is its own.
+    plain = pl.Trainer(**small_trainer_kwargs(max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu")]))
+    plain.fit(Model(scheduler="step"), make_loader(make_dataset(64), 8), ckpt_path=tmp_path / "accel.ckpt")
+    resumed = plain.lr_scheduler_configs[0].scheduler
+    assert type(resumed) is torch.optim.lr_scheduler.StepLR and resumed.last_epoch == 3
     epoch_trainer = _fit(
         Model(scheduler="epoch"), AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8)), steps=2
     )
@@ -455,51 +532,6 @@ def test_lbfgs_with_fp16_is_refused_before_the_first_step():
     assert model.training_steps == 0
 
 
-# ---------------------------------------------------------------------------------------------- bf16 / fp32 guard
-
-
-@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
-def test_nonfinite_gradients_are_skipped_and_counted(precision, optimizer):
-    plugin = AccelPrecision(precision, on_nonfinite="skip")
-    rec = Recorder()
-    _fit(Model(bad_steps={2}, bad_value=float("nan"), optimizer=optimizer), plugin, steps=4, recorder=rec)
-    r = rec.rows
-    assert _same(r[2]["params"], r[1]["params"]) and _same(r[2]["opt_state"], r[1]["opt_state"])
-    assert all(torch.isfinite(p).all() for p in r[3]["params"].values())
-    assert plugin.skipped_steps == 1 and [row["skipped"] for row in r] == [0, 0, 1, 1]
-    assert plugin.scaler is None and plugin.loss_scale == 1.0
-
-
-@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
-def test_nonfinite_gradients_raise_with_step_and_batch_by_default(precision, optimizer):
-    rec = Recorder()
-    model = Model(bad_steps={2}, optimizer=optimizer)
-    with pytest.raises(RuntimeError, match=re.escape("optimizer step 2 (batch_idx 2)")) as info:
-        _fit(model, AccelPrecision(precision), steps=4, recorder=rec)
-    assert "on_nonfinite='skip'" in str(info.value)
-    if optimizer == "adamw":  # raised at the bad step itself: nothing written into the weights
-        assert _same(dict(model.named_parameters()), rec.rows[1]["params"])
-    else:  # fused: the kernel skipped the bad step on the device; the error is read a step later
-        assert _same(rec.rows[2]["params"], rec.rows[1]["params"])
-        assert all(torch.isfinite(p).all() for p in model.parameters())
-
-
-@pytest.mark.parametrize(("bad_step", "steps"), [(2, 3), (3, 4), (2, 8)])
-def test_fused_guard_reports_a_nonfinite_step_late_but_exactly(bad_step, steps):
-    """Fused kernels skip on the device; the flag is read from a host copy exactly two steps later (the same step on
-    every rank, whatever the device timing), or at teardown for the last steps; the error names the bad step."""
-    rec = Recorder()
-    model = Model(bad_steps={bad_step}, optimizer="adamw_fused")
-    with pytest.raises(RuntimeError, match=re.escape(f"optimizer step {bad_step} (batch_idx {bad_step})")):
-        _fit(model, AccelPrecision("bf16-mixed"), steps=steps, recorder=rec)
-    assert _same(rec.rows[bad_step]["params"], rec.rows[bad_step - 1]["params"])  # the bad step was skipped
-    # Raised at the start of step bad_step + 2 (before its update), or at teardown.
-    assert len(rec.rows) == min(bad_step + 2, steps)
-    assert _same(dict(model.named_parameters()), rec.rows[-1]["params"])
-
-
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
@@ -522,7 +554,7 @@ def _resume_case(tmp_path, drop_precision_state=False):
 
     first_plugin = plugin()
     first_trainer = _fit(model(), first_plugin, 4, **kwargs)
-    assert first_plugin.scaler_stats().overflow_streak.item() == 1  # the overflow at step 3 is pending
+    assert first_plugin.scaler.scaler_stats().overflow_streak.item() == 1  # the overflow at step 3 is pending
     path = tmp_path / "mid.ckpt"
     first_trainer.save_checkpoint(path)
     if drop_precision_state:
@@ -588,7 +620,9 @@ def test_public_state_contract():
     plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8))
     trainer = _fit(Model(bad_steps={1}), plugin, steps=3)
     assert trainer.scaler is plugin.scaler and isinstance(plugin.scaler, torch.amp.GradScaler)
-    stats = plugin.scaler_stats()
+    assert isinstance(plugin.scaler, ScalerStatsProvider) and not isinstance(plugin, ScalerStatsProvider)
+    assert isinstance(plugin, SkippedStepRecord) and not plugin.step_was_skipped()  # step 2 was clean
+    stats = plugin.scaler.scaler_stats()
     assert stats._fields == ("scale", "growth_tracker", "overflow_streak", "skipped_steps", "growths", "backoffs")
     assert stats.scale.dtype == torch.float32 and all(t.dtype == torch.int64 for t in stats[1:])
     values = torch.stack([t.double() for t in stats]).tolist()
@@ -598,7 +632,7 @@ def test_public_state_contract():
     bf16 = AccelPrecision("bf16-mixed")
     assert bf16.scaler is None and bf16.loss_scale == 1.0 and bf16.skipped_steps == 0
     with pytest.raises(RuntimeError, match="scaler_stats"):
-        bf16.scaler_stats()
+        AccelPrecision("16-mixed").scaler.scaler_stats()  # no device before fit
 
 
 # ---------------------------------------------------------------------------------------------- DDP
@@ -645,3 +679,64 @@ def test_ddp_fp16_ranks_skip_the_same_steps_and_stay_identical():
         assert _same(r0["params"], r1["params"])
         assert r0["moved"] and all(torch.isfinite(v).all() for v in r0["params"].values())
     assert _same(results[0]["ddp"]["params"], results[0]["accel_ddp"]["params"])
+
+
+OVERFLOWS_ON_RANK_1 = (1, 2, 6)  # two in a row, then one after a growth
+
+
+def _overflow_on_one_rank(rank, world_size):
+    from lit_accel import AccelDDP
+
+    pl.seed_everything(0)
+    model = Model(bad_steps=OVERFLOWS_ON_RANK_1 if rank == 1 else (), scheduler="step", lr=0.1)
+    plugin = AccelPrecision("16-mixed", scaler=DynamicGradScaler(init_scale=2.0**8, growth_interval=2))
+    rec = Recorder()
+    trainer = pl.Trainer(
+        **small_trainer_kwargs(
+            devices=world_size,
+            strategy=AccelDDP(sync_batchnorm=False),
+            max_steps=9,
+            plugins=[plugin],
+            callbacks=[rec],
+            use_distributed_sampler=False,
+        )
+    )
+    trainer.fit(model, make_loader(make_dataset(144), 8, rank, world_size))
+    return rec.rows
+
+
+def _torch_scales(overflows, steps, **kwargs):
+    """torch's GradScaler, fed the same overflows: its scale after each step."""
+    scaler = torch.amp.GradScaler("cpu", **kwargs)
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scales = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(param.sum() * (INF if step in overflows else 1.0)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_an_overflow_on_one_rank_is_skipped_on_both_holds_the_lr_and_scales_as_torch():
+    """fp16 on 2 gloo ranks, overflows on rank 1 only: every rank skips those steps (weights and optimizer state
+    unchanged), the step-interval LR schedule holds still on them, and the scale follows torch's GradScaler."""
+    ranks = run_distributed(_overflow_on_one_rank, 2, init_process_group=False, timeout=120)
+    expected_scales = _torch_scales(OVERFLOWS_ON_RANK_1, 9, init_scale=2.0**8, growth_interval=2)
+    assert expected_scales == [256.0, 128.0, 64.0, 64.0, 128.0, 128.0, 64.0, 64.0, 128.0]  # grew and backed off
+    for rows in ranks:
+        assert [row["scale"] for row in rows] == expected_scales
+        taken = 0
+        for step, row in enumerate(rows):
+            skipped = step in OVERFLOWS_ON_RANK_1
+            before = rows[step - 1] if step else None
+            if skipped:
+                assert _same(row["params"], before["params"]) and _same(row["opt_state"], before["opt_state"])
+            else:
+                taken += 1
+                assert before is None or not _same(row["params"], before["params"])
+            assert row["lr"] == 0.1 * 0.5**taken, (step, row["lr"])  # StepLR(gamma=0.5) per step actually taken
+        assert [row["skipped"] for row in rows][-1] == len(OVERFLOWS_ON_RANK_1)
+    assert all(_same(a["params"], b["params"]) for a, b in zip(*ranks))  # the ranks stay identical

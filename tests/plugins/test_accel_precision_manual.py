@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_accel import AccelPrecision, DynamicGradScaler
+from lit_accel import AccelPrecision, DynamicGradScaler, NonFiniteGuard
 from tests.helpers import small_trainer_kwargs
 
 INF = float("inf")
@@ -61,7 +61,8 @@ class TwoOptimizers(pl.LightningModule):
 
 
 def _fit(model, plugin, steps, batches=8, **kwargs):
-    trainer = pl.Trainer(**small_trainer_kwargs(max_steps=steps, plugins=[plugin], **kwargs))
+    plugins = [] if plugin is None else [plugin]
+    trainer = pl.Trainer(**small_trainer_kwargs(max_steps=steps, plugins=plugins, **kwargs))
     data = TensorDataset(torch.ones(2 * batches, 4))
     trainer.fit(model, DataLoader(data, batch_size=2))
     return trainer
@@ -74,7 +75,7 @@ def test_several_optimizers_on_one_backward_unscale_with_the_scale_of_their_grad
     plugin = AccelPrecision("16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=1))
     _fit(model, plugin, steps=2 * 4)  # global_step counts both optimizers' steps: 4 iterations
     assert model.seen == [(name, 8.0) for _ in range(4) for name in "ab"]  # 2 samples x 4 ones, unscaled
-    stats = plugin.scaler_stats()
+    stats = plugin.scaler.scaler_stats()
     assert stats.scale.item() == 2.0**12  # one update per optimizer step
     assert stats.growths.item() == 8
 
@@ -131,7 +132,7 @@ def test_an_overflow_in_one_optimizer_skips_only_its_step_and_backs_off_once():
                 assert torch.equal(pl_module.a.weight, before_a)
 
     _fit(model, plugin, steps=2 * 3, callbacks=[Snapshot()])
-    stats = plugin.scaler_stats()
+    stats = plugin.scaler.scaler_stats()
     # The head's finite gradient after the overflowing iteration is still unscaled with the scale it was made with.
     assert [g for name, g in model.seen if name == "b"] == [8.0, 8.0, 8.0]
     assert stats.scale.item() == 2.0**3  # backed off once for the one bad iteration
@@ -146,7 +147,7 @@ def test_hysteresis_counts_optimizer_steps():
         "16-mixed", "cpu", scaler=DynamicGradScaler(init_scale=2.0**4, growth_interval=100, hysteresis=2)
     )
     _fit(model, plugin, steps=2 * 3)
-    stats = plugin.scaler_stats()
+    stats = plugin.scaler.scaler_stats()
     assert stats.scale.item() == 2.0**3
     assert stats.skipped_steps.item() == 2 and stats.backoffs.item() == 1
 
@@ -159,7 +160,7 @@ def test_reading_the_scale_between_two_optimizers_changes_nothing():
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.scales.append(trainer.precision_plugin.loss_scale)
-            trainer.precision_plugin.scaler_stats()
+            trainer.precision_plugin.scaler.scaler_stats()
 
     model, reader = TwoOptimizers(), Reader()
     _fit(
@@ -198,11 +199,14 @@ class IdleOptimizer(pl.LightningModule):
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
 def test_an_optimizer_without_gradients_is_stepped_plainly(precision):
     model = IdleOptimizer()
-    scaler = DynamicGradScaler(init_scale=2.0**4) if precision == "16-mixed" else None
-    plugin = AccelPrecision(precision, "cpu", scaler=scaler)  # no overflow: every skip would be a bug
+    # No overflow and no NaN: every skip, by the scaler or by the guard (bf16, fp32), would be a bug.
+    plugin = AccelPrecision(precision, "cpu", DynamicGradScaler(init_scale=2.0**4)) if precision == "16-mixed" else None
+    plugin = AccelPrecision(precision, "cpu") if precision == "bf16-mixed" else plugin
+    guard = NonFiniteGuard(action="skip")
     b_before = model.b.weight.detach().clone()
-    _fit(model, plugin, steps=2 * 4)
-    assert plugin.skipped_steps == 0
+    _fit(model, plugin, steps=2 * 4, callbacks=[guard])
+    assert guard.skipped_steps == 0 and (plugin is None or plugin.skipped_steps == 0)
+    assert guard.active is (precision != "16-mixed")  # the fp16 scaler checks its own steps
     assert not torch.equal(model.b.weight, b_before)  # it still learned on the even batches
 
 
@@ -230,13 +234,19 @@ class ClosureModel(pl.LightningModule):
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-def test_an_optimizer_that_needs_the_closure_gets_a_clear_error_and_runs_with_the_guard_off(precision):
-    with pytest.raises(RuntimeError, match=r"ClosureOptimizer.step\(\) needs the closure.*on_nonfinite='off'"):
-        _fit(ClosureModel(), AccelPrecision(precision, "cpu"), steps=2)
+def test_an_optimizer_that_needs_the_closure_runs_guarded(precision):
+    # The guard checks inside the closure (on_before_optimizer_step), so an optimizer that runs the closure itself in
+    # step() (SAM) is guarded like any other, with Lightning's own step.
     model = ClosureModel()
     before = model.net.weight.detach().clone()
-    _fit(model, AccelPrecision(precision, "cpu", on_nonfinite="off"), steps=2)
+    plugin = AccelPrecision(precision, "cpu") if precision == "bf16-mixed" else None
+    _fit(model, plugin, steps=2, callbacks=[NonFiniteGuard()])
     assert not torch.equal(model.net.weight, before)
+    bad = ClosureModel()
+    bad.training_step = lambda batch, batch_idx: bad.net(batch[0]).float().pow(2).mean() * float("nan")
+    with pytest.raises(RuntimeError, match=r"non-finite gradients .* at optimizer step 0 \(batch_idx 0\)"):
+        _fit(bad, plugin, steps=2, callbacks=[NonFiniteGuard()])
+    assert all(torch.isfinite(p).all() for p in bad.parameters())
 
 
 class NoneAfterOverflow(pl.LightningModule):

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from lit_accel.plugins.grad_scaler import DynamicGradScaler, ScalerStats
+from lit_accel.protocols import ScalerStatsProvider
+from lit_accel.utilities import _compat
 
 
 def _step(scaler, param, opt, overflow: bool) -> None:
@@ -83,7 +85,7 @@ def test_policy_matches_the_reference_rules_with_bounds(hysteresis):
     param, opt = _param_and_opt()
     for overflow, row in zip(pattern, expected):
         _step(scaler, param, opt, overflow)
-        s = scaler.stats()
+        s = scaler.scaler_stats()
         got = (
             s.scale.item(),
             s.growth_tracker.item(),
@@ -118,39 +120,57 @@ def test_static_scaling_keeps_the_scale_and_still_skips():
     assert torch.equal(param, before)
     for _ in range(3):
         _step(scaler, param, opt, overflow=False)
-    s = scaler.stats()
+    s = scaler.scaler_stats()
     assert (s.scale.item(), s.skipped_steps.item(), s.growths.item(), s.backoffs.item()) == (4.0, 1, 0, 0)
 
 
-def test_skip_is_known_on_the_host_for_plain_optimizers_and_on_device_for_fused():
+def _skipped_between_step_and_update(scaler, param, opt, overflow: bool):
+    opt.zero_grad()
+    scaler.scale((param**2).sum()).backward()
+    if overflow:
+        param.grad[0] = float("inf")
+    scaler.step(opt)
+    skipped = _compat.grad_scaler_step_skipped(scaler, opt)
+    scaler.update()
+    return skipped
+
+
+def test_skip_is_known_on_the_host_for_plain_optimizers_and_on_device_for_fused(monkeypatch):
+    # DynamicGradScaler keeps torch's own host read of the found-inf flags (plain optimizers): no second read.
+    reads = []
+    original = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or original(self))
     plain = DynamicGradScaler("cpu", init_scale=4.0)
-    param, opt = _param_and_opt()
-    assert plain.last_step_skipped(opt) is None
-    _step(plain, param, opt, overflow=True)
-    assert plain.last_step_skipped(opt) is True
-    _step(plain, param, opt, overflow=False)
-    assert plain.last_step_skipped(opt) is False
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)  # AdamW's CPU step reads its step count with .item() itself
+    assert _compat.grad_scaler_step_skipped(plain, opt) is False  # nothing recorded yet
+    assert _skipped_between_step_and_update(plain, param, opt, overflow=True) is True
+    assert _skipped_between_step_and_update(plain, param, opt, overflow=False) is False
+    assert len(reads) == 2  # torch's one read per step, in GradScaler.step, and none more
 
     fused = DynamicGradScaler("cpu", init_scale=4.0)
     param, opt = _param_and_opt(fused=True)
-    _step(fused, param, opt, overflow=True)
-    flag = fused.last_step_skipped(opt)
+    flag = _skipped_between_step_and_update(fused, param, opt, overflow=True)
     assert isinstance(flag, torch.Tensor) and flag.item() > 0
-    _step(fused, param, opt, overflow=False)
-    assert fused.last_step_skipped(opt).item() == 0
+    assert _skipped_between_step_and_update(fused, param, opt, overflow=False).item() == 0
+    # A plain torch GradScaler keeps no host copy: the device flag, for plain optimizers too.
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    param, opt = _param_and_opt()
+    assert _skipped_between_step_and_update(torch_scaler, param, opt, overflow=True).item() > 0
 
 
 def test_stats_are_device_tensor_snapshots():
     scaler = DynamicGradScaler("cpu", init_scale=4.0)
     param, opt = _param_and_opt()
     _step(scaler, param, opt, overflow=True)
-    stats = scaler.stats()
+    stats = scaler.scaler_stats()
+    assert isinstance(scaler, ScalerStatsProvider) and scaler.loss_scaling  # what LossScaleMonitor reads
     assert isinstance(stats, ScalerStats)
     assert stats.scale.dtype == torch.float32
     assert all(t.dtype == torch.int64 and t.shape == () for t in stats[1:])
     _step(scaler, param, opt, overflow=True)
     assert stats.skipped_steps.item() == 1 and stats.scale.item() == 2.0  # a snapshot, not the live tensors
-    assert scaler.stats().skipped_steps.item() == 2
+    assert scaler.scaler_stats().skipped_steps.item() == 2
 
 
 def test_state_dict_round_trip_and_settings_from_the_constructor():
@@ -181,7 +201,7 @@ def test_loads_a_plain_torch_grad_scaler_state():
     ours.load_state_dict(torch_scaler.state_dict())
     assert ours.get_scale() == torch_scaler.get_scale() == 256.0
     assert ours._get_growth_tracker() == 1
-    assert ours.stats().skipped_steps.item() == 0  # counters torch does not keep start at zero
+    assert ours.scaler_stats().skipped_steps.item() == 0  # counters torch does not keep start at zero
 
 
 @pytest.mark.parametrize(

@@ -57,8 +57,8 @@ class _Record(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         plugin = trainer.precision_plugin
-        if isinstance(plugin, AccelPrecision) and plugin.loss_scaling:
-            stats = plugin.scaler_stats()
+        if isinstance(plugin, AccelPrecision) and plugin.scaler is not None:
+            stats = plugin.scaler.scaler_stats()
             self.scales.append((stats.scale.item(), int(stats.skipped_steps.item())))
 
 

@@ -41,7 +41,8 @@ def _fit(rank: int, world: int, strategy: Any, precision: str = "32-true", batch
     model = BNModel(batchnorm=batchnorm)
     seen = _SeesCompiled()
     kwargs = small_trainer_kwargs(devices=world, max_steps=4, max_epochs=-1, use_distributed_sampler=False)
-    trainer = pl.Trainer(strategy=strategy, plugins=[AccelPrecision(precision)], callbacks=[seen], **kwargs)
+    plugins = [AccelPrecision(precision)] if precision != "32-true" else []  # full precision: Lightning's own
+    trainer = pl.Trainer(strategy=strategy, plugins=plugins, callbacks=[seen], **kwargs)
     GRAPHS.clear()
     trainer.fit(model, make_loader(make_dataset(64), 4, rank, world))
     return {"state": full_state(model), "graphs": len(GRAPHS), "during": seen.compiled,
