@@ -71,7 +71,7 @@ def run_raw(arm: str, args: Any, rep: int) -> tuple[list[float], list[float], li
     """A raw DDP loop; returns step-start stamps (wall, process CPU), per-step watchdog flags, thread CPU seconds."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from lit_accel.callbacks.progress_watchdog import ProgressWatchdog
+    from lit_accel.meters import ProgressWatchdog
 
     model = DistributedDataParallel(build_net(args.width))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -203,7 +203,7 @@ def worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
 
 def enter_cost_ns(calls: int = 200_000) -> float:
     """Nanoseconds per ``ProgressWatchdog.enter`` call on the main thread (the watchdog need not run for this)."""
-    from lit_accel.callbacks.progress_watchdog import ProgressWatchdog
+    from lit_accel.meters import ProgressWatchdog
 
     watchdog = ProgressWatchdog(30.0)
     best = min(timeit.repeat(lambda: watchdog.enter("forward", 3, 30.0), number=calls, repeat=5))
