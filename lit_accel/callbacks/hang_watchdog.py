@@ -8,8 +8,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lit_accel.meters._hang_verdict import HangReport
-from lit_accel.meters.progress_watchdog import ProgressWatchdog
+from lit_accel.meters.progress_watchdog import HangReport, ProgressWatchdog
 from lit_accel.utilities._compat import launched_child_processes
 from lit_accel.utilities._validation import check_number
 
@@ -22,23 +21,21 @@ REPORT_AFTER_S = 300.0  #: seconds without progress after which the strategies' 
 
 
 class HangWatchdog(Callback):
-    """Name a rank that stops making progress, where it is (from its stack) and who waits; end the job or report.
+    """Name a rank that stops making progress, where it is (its stack) and who waits for it; end the job, or report.
 
-    Once a rank passes its phase's allowance, the ranks print who is stuck and where (your code at file:line, a
-    DataLoader wait, a collective), or how they diverged; ``on_hang="exit"`` then ends all with code 124. A hook costs
-    one assignment. Only ``fit`` is watched; a second instance stays passive. Details: docs/reliability.md.
+    A hook costs one assignment. Only ``fit`` is watched; a second instance stays passive. See docs/reliability.md.
 
     Example::
 
         trainer = Trainer(accelerator="gpu", devices=8, callbacks=[HangWatchdog(timeout=60)])
 
     Args:
-        timeout: seconds a training phase (data fetch, forward, backward, optimizer step) may go without progress.
-        first_step_timeout: the same for set-up, the sanity check and the first training batch (compilation).
+        timeout: seconds a training step (forward, backward, optimizer step), or the time between two, may take.
+        first_step_timeout: the same for set-up, the sanity check and the first training step (compilation).
         validation_timeout: for each validation batch, and for the work after the last one.
         checkpoint_timeout: from ``on_save_checkpoint`` until the next phase starts (writing the file).
-        interval: seconds between two publications of a rank's state; below every timeout.
-        on_hang: ``"exit"`` ends the job; ``"report"`` only reports.
+        interval: seconds between two publications of a rank's state.
+        on_hang: ``"exit"`` ends every rank with code 124 after the report; ``"report"`` prints it once per stall.
     """
 
     def __init__(
@@ -73,9 +70,8 @@ class HangWatchdog(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         first = next(cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog))
         if first is not self:
-            rank_zero_warn(f"HangWatchdog(timeout={self.timeout:g}) stays passive: the Trainer has another before it"
-                           f" (timeout={first.timeout:g}). Fix: pass a single HangWatchdog.")  # fmt: skip
-            return
+            return rank_zero_warn(f"HangWatchdog(timeout={self.timeout:g}) stays passive: the Trainer has another one"
+                                  f" (timeout={first.timeout:g}). Fix: pass a single HangWatchdog.")  # fmt: skip
         self._active, self._step, self._step_allowance = True, trainer.global_step, self.first_step_timeout
         self._enter("setup", self.first_step_timeout)
         self.watchdog.start([proc for _, proc in launched_child_processes(trainer.strategy)])
@@ -83,15 +79,7 @@ class HangWatchdog(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._step = trainer.global_step
-        self._enter("forward", self._step_allowance)
-
-    @override
-    def on_before_backward(self, *args: Any) -> None:
-        self._enter("backward", self._step_allowance)
-
-    @override
-    def on_after_backward(self, *args: Any) -> None:
-        self._enter("optimizer_step", self._step_allowance)
+        self._enter("training_step", self._step_allowance)  # forward, backward, optimizer step: the stack tells which
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -114,7 +102,7 @@ class HangWatchdog(Callback):
 
     # Also on an exception: after a verdict that ends the job, a peer's exit makes a collective raise; stop() ends us.
     @override
-    def on_train_end(self, *args: Any, **kwargs: Any) -> None:  # teardown (loggers uploading, the strategy's) has no phases to watch
+    def on_train_end(self, *args: Any, **kwargs: Any) -> None:  # teardown (loggers, the strategy's) has no phases
         if self._active:
             self.watchdog.stop()
             self._active = False

@@ -37,7 +37,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with ProgressWatchdog(args.timeout, interval=0.5) as watchdog:  # a peer's exit after the verdict ends this rank too
+    watchdog = ProgressWatchdog(args.timeout, interval=0.5)
+    watchdog.start()
+    try:
         for step in range(50):
             watchdog.enter("data", step)
             batch = torch.randn(4, 8)
@@ -51,6 +53,8 @@ def main() -> None:
             watchdog.enter("optimizer_step", step)
             optimizer.step()
             optimizer.zero_grad()
+    finally:
+        watchdog.stop()  # after a verdict, a peer's exit makes a collective raise: this ends the rank with the verdict
     dist.destroy_process_group()
 
 
