@@ -111,8 +111,7 @@ def _where(frame: FrameType, api: bool = False) -> str:
 
 def locate(thread_id: int, with_stack: bool = False) -> dict[str, Any]:
     """Where a thread is, from its frames: the :class:`RankState` fields ``kind``, ``call``, ``site``, ``user``."""
-    frame = sys._current_frames().get(thread_id)
-    frames = [f for f, _ in traceback.walk_stack(frame)] if frame is not None else []  # innermost first
+    frames = [f for f, _ in traceback.walk_stack(frame)] if (frame := sys._current_frames().get(thread_id)) else []
     if not frames or any(f.f_trace is not None or f.f_code.co_filename.endswith(("bdb.py", "pdb.py")) for f in frames):
         return {"kind": "debugger" if frames else "gone"}  # someone sits in pdb, or a tracer steps through
     files = [_file(f) for f in frames]
@@ -302,6 +301,7 @@ class ProgressWatchdog:
         if self._last is not None and not thread.is_alive():  # the last word: the others do not wait for this rank
             with contextlib.suppress(Exception):
                 self._store.set(f"state/{self.rank}", json.dumps(asdict(replace(self._last, status="finished"))))
+        self._store = None  # on rank 0 it keeps the store's server, and its port, alive: not beyond the group
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
