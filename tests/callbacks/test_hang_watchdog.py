@@ -417,25 +417,6 @@ def test_core_sees_no_hang_while_the_awaited_rank_progresses():
     assert run_distributed(_waiting_for_a_progressing_rank, 2, timeout=60) == [None, None]
 
 
-def _a_new_group_after_a_watched_one(rank: int, world_size: int) -> float:
-    """A fit's watchdog must not keep the process group's store (on rank 0, its server and port) after it stops."""
-    import torch.distributed as dist
-
-    watchdog = ProgressWatchdog(5.0, interval=0.1)
-    watchdog.start()
-    time.sleep(0.3)
-    watchdog.stop()
-    dist.destroy_process_group()
-    dist.init_process_group("gloo")  # the same MASTER_PORT, as Lightning's next fit in these processes
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    return total.item()
-
-
-def test_a_new_process_group_works_after_a_watched_one():
-    assert run_distributed(_a_new_group_after_a_watched_one, 2, timeout=60) == [2.0, 2.0]
-
-
 def test_world_size_one_still_reports_its_own_stall(capfd):
     watchdog = ProgressWatchdog(1.0, interval=0.2, on_hang="report")
     watchdog.start()  # no process group: the process watches itself
