@@ -70,8 +70,9 @@ class HangWatchdog(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         first = next(cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog))
         if first is not self:
-            return rank_zero_warn(f"HangWatchdog(timeout={self.timeout:g}) stays passive: the Trainer has another one"
-                                  f" (timeout={first.timeout:g}). Fix: pass a single HangWatchdog.")  # fmt: skip
+            rank_zero_warn(f"HangWatchdog(timeout={self.timeout:g}) stays passive: the Trainer has another one"
+                           f" (timeout={first.timeout:g}). Fix: pass a single HangWatchdog.")  # fmt: skip
+            return
         self._active, self._step, self._step_allowance = True, trainer.global_step, self.first_step_timeout
         self._enter("setup", self.first_step_timeout)
         self.watchdog.start([proc for _, proc in launched_child_processes(trainer.strategy)])

@@ -229,8 +229,6 @@ def write_stderr(text: str) -> None:
 class ProgressWatchdog:
     """Watch this rank's progress and every other rank's; report a rank that stops progressing, or end the job.
 
-    :meth:`enter` is one assignment on the main thread: no I/O, no collective, no device sync.
-
     Example::
 
         watchdog = ProgressWatchdog(timeout=60)
@@ -265,7 +263,7 @@ class ProgressWatchdog:
         self._grace = 2 * self.interval + 0.5  # every rank reads a verdict within an interval: time to print it
 
     def enter(self, phase: str, step: int | None = None, allowance: float | None = None) -> None:
-        """Record that the main thread starts ``phase`` (of ``step``); ``allowance`` overrides ``timeout`` for it."""
+        """The main thread starts ``phase`` (of ``step``), with ``allowance`` or ``timeout``: one assignment, no I/O."""
         allowance = self.timeout if allowance is None else allowance
         self.progress = Progress(self.progress.changes + 1, phase, step, allowance, time.monotonic())
 

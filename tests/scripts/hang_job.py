@@ -113,7 +113,11 @@ class _Rank0Work(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == self.rank and trainer.current_epoch == 0:
-            print(f"{HANG_MARKER} {time.time():.3f} rank {self.rank} works in on_train_epoch_end", file=sys.stderr)
+            print(
+                f"{HANG_MARKER} {time.time():.3f} rank {self.rank} works in on_train_epoch_end",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(self.seconds)
 
 
