@@ -325,7 +325,7 @@ class ProgressWatchdog:
             return
         states = {**self._read_states(), self.rank: state}
         self._looking = any(s.overdue for s in states.values())
-        report = judge(states, self._quiet_s(states))  # in rank order: this rank's state was in the store already
+        report = judge(*self._as_seen(states))  # in rank order: this rank's state was in the store already
         if report is not None and report.key != getattr(self.report, "key", None):  # once per stall
             self._handled = int(self._store.add("verdicts", 1))
             self._store.set(f"verdict/{self._handled}", json.dumps(asdict(report)))
@@ -348,14 +348,15 @@ class ProgressWatchdog:
         values = self._store.multi_get([f"state/{r}" for r in present])
         return {r: RankState(**json.loads(v)) for r, v in zip(present, values)}
 
-    def _quiet_s(self, states: dict[int, RankState]) -> float:
-        """Seconds since any rank's progress or waiting place changed, on this rank's clock (no clocks compared)."""
-        now = time.monotonic()
+    def _as_seen(self, states: dict[int, RankState]) -> tuple[dict[int, RankState], float]:
+        """The states on this clock (a rank that stops publishing keeps stalling), and the seconds since any changed."""
+        now, seen = time.monotonic(), {}
         for rank, s in states.items():
             place = (s.seq, s.status, s.kind, s.call, s.site)
             if self._seen.get(rank, ((),))[0] != place:  # a first sighting counts from that rank's own stall
                 self._seen[rank] = (place, now if rank in self._seen else now - s.stall_s)
-        return now - max(self._seen[r][1] for r in states)
+            seen[rank] = replace(s, stall_s=max(s.stall_s, now - self._seen[rank][1]))
+        return seen, now - max(self._seen[r][1] for r in states)
 
     def _handle(self, report: HangReport) -> None:
         self.report, ending, prefix = report, self.on_hang == "exit", f"[rank {self.rank}] "

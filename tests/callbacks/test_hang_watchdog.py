@@ -417,6 +417,29 @@ def test_core_sees_no_hang_while_the_awaited_rank_progresses():
     assert run_distributed(_waiting_for_a_progressing_rank, 2, timeout=60) == [None, None]
 
 
+def _a_rank_that_stops_publishing(rank: int, world_size: int) -> dict[str, Any] | None:
+    """Rank 1's watchdog thread stops while its last state is within the allowance (a frozen process publishes
+    nothing more); rank 0 waits for it in an all_reduce and must still blame it, by ageing that state."""
+    import torch.distributed as dist
+
+    watchdog = ProgressWatchdog(CORE_TIMEOUT, interval=CORE_INTERVAL, on_hang="report")
+    watchdog.start()
+    watchdog.enter("data", 0)
+    if rank == 1:
+        time.sleep(2 * CORE_INTERVAL)
+        watchdog._stop.set()  # "frozen": no state after this one, no final "finished" either
+        time.sleep(4 * CORE_TIMEOUT)
+    dist.all_reduce(torch.ones(1))
+    watchdog.stop()
+    return _summary(watchdog.report)
+
+
+def test_a_rank_that_stops_publishing_is_blamed_where_it_was_last_seen():
+    result = run_distributed(_a_rank_that_stops_publishing, 2, timeout=60)[0]
+    assert result is not None and result["verdict"] == "stuck" and result["culprits"] == (1,)
+    assert result["states"][1].stall_s > CORE_TIMEOUT and result["states"][1].phase == "data"
+
+
 def test_world_size_one_still_reports_its_own_stall(capfd):
     watchdog = ProgressWatchdog(1.0, interval=0.2, on_hang="report")
     watchdog.start()  # no process group: the process watches itself
