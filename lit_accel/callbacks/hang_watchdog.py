@@ -31,8 +31,8 @@ class HangWatchdog(Callback):
 
     Args:
         timeout: seconds a training step (forward, backward, optimizer step), or the time between two, may take.
-        first_step_timeout: the same for set-up, the sanity check and the first training step (compilation).
-        validation_timeout: for each validation batch, and for the work after the last one.
+        first_step_timeout: the same for set-up and the first training step (compilation, lazy communicator set-up).
+        validation_timeout: for each validation (and sanity-check) batch, and for the work after the last one.
         checkpoint_timeout: from ``on_save_checkpoint`` until the next phase starts (writing the file).
         interval: seconds between two publications of a rank's state.
         on_hang: ``"exit"`` ends every rank with code 124 after the report; ``"report"`` prints it once per stall.
