@@ -192,8 +192,8 @@ def arm(ctx: dict[str, Any], spec: dict[str, Any], strategy: str, precision: str
     compile_arg: Any = ({"backend": "aot_eager"} if ctx["dry_run"] else True) if compiled else False
     if compiled:
         torch.compiler.reset()  # a cold start for each compiled arm (inductor's on-disk cache still serves)
-    # No HangWatchdog: a cold inductor compile outside the first step could exceed its 30 s phase allowance, and the
-    # watchdog would end the whole script. The same for every arm, so the comparisons stay paired.
+    # hang_timeout=None: the strategies' default watchdog only reports (after 300 s), so a cold inductor compile
+    # outside the first step cannot end the whole script. The same for every arm, so the comparisons stay paired.
     options = dict(compile=compile_arg, hang_timeout=None)
     strat = AccelFSDP(**options) if strategy == "fsdp" else AccelDDP(**options)
     options8 = {"float8": float8_conversion(ctx)} if precision == "fp8-mixed" else {}

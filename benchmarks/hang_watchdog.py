@@ -71,7 +71,7 @@ def run_raw(arm: str, args: Any, rep: int) -> tuple[list[float], list[float], li
     """A raw DDP loop; returns step-start stamps (wall, process CPU), per-step watchdog flags, thread CPU seconds."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from lit_accel.callbacks.progress_watchdog import ProgressWatchdog
+    from lit_accel.meters import ProgressWatchdog
 
     model = DistributedDataParallel(build_net(args.width))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -203,7 +203,7 @@ def worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
 
 def enter_cost_ns(calls: int = 200_000) -> float:
     """Nanoseconds per ``ProgressWatchdog.enter`` call on the main thread (the watchdog need not run for this)."""
-    from lit_accel.callbacks.progress_watchdog import ProgressWatchdog
+    from lit_accel.meters import ProgressWatchdog
 
     watchdog = ProgressWatchdog(30.0)
     best = min(timeit.repeat(lambda: watchdog.enter("forward", 3, 30.0), number=calls, repeat=5))
@@ -211,7 +211,7 @@ def enter_cost_ns(calls: int = 200_000) -> float:
 
 
 def hook_cost_us(steps: int = 50_000) -> float:
-    """Microseconds per training step spent in HangWatchdog's own hook bodies (4 hooks, with a real Trainer).
+    """Microseconds per training step spent in HangWatchdog's own hook bodies (its 2 step hooks, a real Trainer).
 
     Deterministic, unlike the step ratios: what remains of a callback's per-step cost is Lightning dispatching every
     hook to every callback, which any callback pays.
@@ -221,13 +221,11 @@ def hook_cost_us(steps: int = 50_000) -> float:
     from lit_accel.callbacks.hang_watchdog import HangWatchdog
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-    watchdog, loss = HangWatchdog(timeout=30.0), torch.ones(())
+    watchdog = HangWatchdog(timeout=30.0)
     watchdog._active = True  # as after on_fit_start, without starting the thread
 
     def step() -> None:
         watchdog.on_train_batch_start(trainer, None, None, 0)
-        watchdog.on_before_backward(trainer, None, loss)
-        watchdog.on_after_backward(trainer, None)
         watchdog.on_train_batch_end(trainer, None, None, None, 0)
 
     return 1e6 * min(timeit.repeat(step, number=steps, repeat=5)) / steps

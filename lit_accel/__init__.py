@@ -10,7 +10,7 @@ Example::
         devices=8,
         strategy=AccelDDP(global_batch_size=1024),
         plugins=[AccelPrecision("bf16-mixed")],
-        callbacks=[LossScaleMonitor(), EfficiencyMonitor(), MemoryMonitor()],  # AccelDDP adds a HangWatchdog
+        callbacks=[LossScaleMonitor(), EfficiencyMonitor(), MemoryMonitor()],  # + AccelDDP's HangWatchdog
     )
 """
 
@@ -22,9 +22,8 @@ from lit_accel.callbacks import (
     LossScaleMonitor,
     MemoryMonitor,
     NonFiniteGuard,
-    ProgressWatchdog,
 )
-from lit_accel.meters import EfficiencyMeter, LossScaleMeter, MemoryMeter
+from lit_accel.meters import EfficiencyMeter, LossScaleMeter, MemoryMeter, ProgressWatchdog
 from lit_accel.plugins import (
     AccelPrecision,
     AccelSyncBatchNorm,

@@ -1,57 +1,41 @@
-"""Find a stuck rank in seconds instead of at the 30-minute collective timeout: ``HangWatchdog``.
-
-A thin adapter: Lightning's hooks mark the phases (data fetch, forward, backward, optimizer step, validation,
-checkpoint) of :class:`~lit_accel.callbacks.progress_watchdog.ProgressWatchdog`, which does the watching.
-"""
+"""``HangWatchdog``: Lightning's hooks mark the phases of :class:`~lit_accel.meters.ProgressWatchdog`, which watches."""
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lit_accel.callbacks._hang_diagnosis import HangReport
-from lit_accel.callbacks.progress_watchdog import ProgressWatchdog
+from lit_accel.meters.progress_watchdog import HangReport, ProgressWatchdog
 from lit_accel.utilities._compat import launched_child_processes
 from lit_accel.utilities._validation import check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch import Tensor
 
-__all__ = ["HangWatchdog"]
+__all__ = ["REPORT_AFTER_S", "HangWatchdog", "add_hang_watchdog"]
 
-Phase = Literal["setup", "sanity_check", "data", "forward", "backward", "optimizer_step", "validation", "checkpoint"]
+REPORT_AFTER_S = 300.0  #: seconds without progress after which the strategies' default watchdog reports a stall
 
 
 class HangWatchdog(Callback):
-    """End a job within seconds when a rank stops making progress, naming the rank, its phase and its stack.
+    """Name a rank that stops making progress, where it is (its stack) and who waits for it; end the job, or report.
 
-    Every rank reports which rank is stuck (or that the ranks diverged into different collectives), in which phase,
-    for how long, and the stuck rank's main-thread stack; the stuck rank dumps all its threads (and its forked
-    DataLoader workers') to its own stderr. Then every rank exits with code 124. Works with any strategy; the step
-    path costs a tuple assignment per hook, no collective and no device sync. Only ``fit`` is watched. With one
-    process it still reports and exits. If a Trainer has several, only the first in ``trainer.callbacks`` runs.
+    A hook costs one assignment. Only ``fit`` is watched; a second instance stays passive. See docs/reliability.md.
 
     Example::
 
         trainer = Trainer(accelerator="gpu", devices=8, callbacks=[HangWatchdog(timeout=60)])
 
     Args:
-        timeout: seconds a training phase (data fetch, forward, backward, optimizer step) may go without progress.
-        first_step_timeout: the same for set-up, the sanity check and the first training batch (compilation,
-            FLOP counting, lazy communicator set-up).
-        validation_timeout: for each validation batch, and for the work after the last one.
+        timeout: seconds a training step (forward, backward, optimizer step), or the time between two, may take.
+        first_step_timeout: the same for set-up and the first training step (compilation, lazy communicator set-up).
+        validation_timeout: for each validation (and sanity-check) batch, and for the work after the last one.
         checkpoint_timeout: from ``on_save_checkpoint`` until the next phase starts (writing the file).
-        interval: seconds between two publications of a rank's state; below every timeout.
-        on_hang: ``"exit"`` ends the job; ``"report"`` only reports (the job then waits for the collective timeout).
-        directory: a directory shared by the ranks, used only when there is no torch.distributed process group.
-
-    Raises:
-        TypeError, ValueError: an argument has the wrong type or value (the message names it and the fix).
+        interval: seconds between two publications of a rank's state.
+        on_hang: ``"exit"`` ends every rank with code 124 after the report; ``"report"`` prints it once per stall.
     """
 
     def __init__(
@@ -63,145 +47,76 @@ class HangWatchdog(Callback):
         *,
         interval: float = 1.0,
         on_hang: Literal["exit", "report"] = "exit",
-        directory: str | os.PathLike | None = None,
     ) -> None:
-        self.watchdog = ProgressWatchdog(
-            timeout, interval=interval, on_hang=on_hang, directory=directory, owner="HangWatchdog"
-        )
-        allowances = {
-            "first_step_timeout": first_step_timeout,
-            "validation_timeout": validation_timeout,
-            "checkpoint_timeout": checkpoint_timeout,
-        }
-        for name, value in allowances.items():
-            check_number("HangWatchdog", name, value, fix=f"pass the seconds allowed without progress, e.g. {name}=600")
-            if value < timeout:
-                raise ValueError(
-                    f"HangWatchdog({name}={value!r}): must be at least timeout={timeout!r} (it is the longer"
-                    f" allowance). Fix: pass {name}={timeout!r} or more."
-                )
+        self.watchdog = ProgressWatchdog(timeout, interval=interval, on_hang=on_hang, owner="HangWatchdog")
+        longer = {"first_step": first_step_timeout, "validation": validation_timeout, "checkpoint": checkpoint_timeout}
+        for name, value in longer.items():
+            check_number("HangWatchdog", f"{name}_timeout", value, fix=f"pass seconds, e.g. {name}_timeout=600")
         self.timeout = float(timeout)
-        self.first_step_timeout = float(first_step_timeout)
-        self.validation_timeout = float(validation_timeout)
-        self.checkpoint_timeout = float(checkpoint_timeout)
-        self._active = False
-        self._step_allowance = self.first_step_timeout
-        self._step: int = 0
+        self.first_step_timeout, self.validation_timeout, self.checkpoint_timeout = map(float, longer.values())
+        self._active, self._step, self._step_allowance = False, 0, self.first_step_timeout
 
     @property
     def report(self) -> HangReport | None:
-        """The verdict of the last fit, if a hang was found (with ``on_hang="report"``, the job continued)."""
+        """The latest verdict of this fit, if a stall was found (with ``on_hang="report"``, the job went on)."""
         return self.watchdog.report
 
-    def _enter(self, phase: Phase, allowance: float) -> None:
+    def _enter(self, phase: str, allowance: float) -> None:
         if self._active:
             self.watchdog.enter(phase, self._step, allowance)
 
-    # Set-up happens here, not in ``setup``: a strategy may append this callback inside ``strategy.setup()``, which
-    # runs after the callbacks' ``setup`` hooks.
+    # Started here, not in ``setup``: a strategy may append this callback in ``strategy.setup()``, after those hooks.
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         first = next(cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog))
-        self._active = first is self
-        if not self._active:
-            rank_zero_warn(
-                f"HangWatchdog(timeout={self.timeout:g}) stays passive: the Trainer already has"
-                f" HangWatchdog(timeout={first.timeout:g}), and two would report every hang twice."
-                " Fix: pass a single HangWatchdog."
-            )
+        if first is not self:
+            rank_zero_warn(f"HangWatchdog(timeout={self.timeout:g}) stays passive: the Trainer has another one"
+                           f" (timeout={first.timeout:g}). Fix: pass a single HangWatchdog.")  # fmt: skip
             return
-        self._step, self._step_allowance = trainer.global_step, self.first_step_timeout
-        self.watchdog.enter("setup", self._step, self.first_step_timeout)
-        children = [proc for _, proc in launched_child_processes(trainer.strategy)]
-        self.watchdog.start(trainer.global_rank, trainer.world_size, children)
-
-    @override
-    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._enter("sanity_check", self.validation_timeout)
-
-    @override
-    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._active, self._step, self._step_allowance = True, trainer.global_step, self.first_step_timeout
         self._enter("setup", self.first_step_timeout)
+        self.watchdog.start([proc for _, proc in launched_child_processes(trainer.strategy)])
 
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._enter("data", self._step_allowance)
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._step = trainer.global_step
-        self._enter("forward", self._step_allowance)
+        self._enter("training_step", self._step_allowance)  # forward, backward, optimizer step: the stack tells which
 
     @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._enter("backward", self._step_allowance)
-
-    @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._enter("optimizer_step", self._step_allowance)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._step, self._step_allowance = trainer.global_step, self.timeout
         self._enter("data", self.timeout)
 
-    def _validation(self, trainer: pl.Trainer) -> None:
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._enter("sanity_check" if trainer.sanity_checking else "validation", self.validation_timeout)
 
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._validation(trainer)
+    on_validation_start = on_validation_batch_end = on_validation_batch_start
 
     @override
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._validation(trainer)
+    def on_validation_end(self, *args: Any) -> None:
+        self._enter("data", self._step_allowance)  # after the sanity check, the first step's allowance still holds
 
     @override
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._validation(trainer)
-
-    @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            self._enter("setup", self.first_step_timeout)
-        else:
-            self._enter("data", self._step_allowance)
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_save_checkpoint(self, *args: Any) -> None:
         self._enter("checkpoint", self.checkpoint_timeout)
 
+    # Also on an exception: after a verdict that ends the job, a peer's exit makes a collective raise; stop() ends us.
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.watchdog.on_exception()  # a peer's coordinated exit after a hang report: let the watchdog end it
-        self._stop()
-
-    # After the last batch nothing is watched: teardown (loggers uploading, strategy teardown) has no phases.
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
+    def on_train_end(self, *args: Any, **kwargs: Any) -> None:  # teardown (loggers, the strategy's) has no phases
         if self._active:
             self.watchdog.stop()
             self._active = False
+
+    on_exception = teardown = on_train_end
+
+
+def add_hang_watchdog(trainer: pl.Trainer, timeout: float | None) -> None:
+    """What AccelDDP/AccelFSDP add: ending the job after ``timeout`` s, or (``None``) a report-only watchdog."""
+    if any(isinstance(cb, HangWatchdog) for cb in trainer.callbacks):
+        return  # the user's own wins
+    if timeout is None:  # a default must never end a healthy job: it reports a long stall, once
+        trainer.callbacks.append(HangWatchdog(REPORT_AFTER_S, on_hang="report"))
+    else:
+        longer = max(600.0, timeout)
+        trainer.callbacks.append(HangWatchdog(timeout, longer, longer, longer, interval=min(1.0, timeout / 10)))

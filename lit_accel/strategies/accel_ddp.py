@@ -70,7 +70,8 @@ class AccelDDP(AccelParts, DDPStrategy):
             each loaded batch into chunks, or ``"auto"``: the largest that fits in memory (docs/strategies.md).
         partial_window: ``"mean"`` (exact) or ``"lightning"`` (Lightning's division by the full count).
         sync_batchnorm: ``True``, ``False`` or an :class:`~lit_accel.AccelSyncBatchNorm` (e.g. ``group_size=8``).
-        hang_timeout: seconds without progress before the :class:`~lit_accel.HangWatchdog` it adds ends the job.
+        hang_timeout: seconds without progress before the :class:`~lit_accel.HangWatchdog` it adds ends the job;
+            ``None``: the watchdog only reports a stall (after 300 s, once per stall) and never ends the job.
         compile: ``True`` or ``torch.compile``'s arguments: each block compiled before DDP wraps the model.
         comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, a callable ``hook(state, bucket)``, or ``None`` (DDP's own
             all-reduce, no Python hook: the fastest).
@@ -113,7 +114,7 @@ class AccelDDP(AccelParts, DDPStrategy):
         comm_state: object | None = None,
         comm_wrapper: Callable | None = None,
         gradient_as_bucket_view: bool = True,
-        hang_timeout: float | None = 30.0,
+        hang_timeout: float | None = None,
         compile: bool | Mapping[str, Any] = False,
         **kwargs: Any,
     ) -> None:

@@ -129,7 +129,7 @@ class AccelFSDP(AccelParts, _RootCalls):
         cpu_offload: bool = False,
         activation_checkpointing: bool | sharding.ShardPolicy = False,
         state_dict_type: Literal["full", "sharded"] = "full",
-        hang_timeout: float | None = 30.0,
+        hang_timeout: float | None = None,
         compile: bool | Mapping[str, Any] = False,
         **kwargs: Any,
     ) -> None:

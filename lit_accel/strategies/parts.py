@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lit_accel.callbacks.hang_watchdog import HangWatchdog
+from lit_accel.callbacks.hang_watchdog import add_hang_watchdog
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
 from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
@@ -80,13 +80,13 @@ class AccelParts:
         micro_batch_size: int | Literal["auto"] | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
         sync_batchnorm: bool | AccelSyncBatchNorm = True,
-        hang_timeout: float | None = 30.0,
+        hang_timeout: float | None = None,
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         options = check_compile(owner, compile)
         self._compilation = None if options is None else ForwardCompilation(owner, options)
         if hang_timeout is not None:
-            check_number(owner, "hang_timeout", hang_timeout, fix="pass seconds without progress, or None for none")
+            check_number(owner, "hang_timeout", hang_timeout, fix="pass seconds without progress, or None")
         self._hang_timeout = None if hang_timeout is None else float(hang_timeout)
         auto = micro_batch_size == "auto"
         if isinstance(micro_batch_size, str) and not auto:
@@ -180,11 +180,7 @@ class AccelParts:
             set_layer_sync(self, layer_sync)
 
     def _add_hang_watchdog(self, trainer: pl.Trainer) -> None:
-        # The user's own HangWatchdog (first in trainer.callbacks) wins; the others' allowances stay at least timeout.
-        timeout = self._hang_timeout
-        if timeout is not None and not any(isinstance(cb, HangWatchdog) for cb in trainer.callbacks):
-            longer = max(600.0, timeout)
-            trainer.callbacks.append(HangWatchdog(timeout, longer, longer, longer))
+        add_hang_watchdog(trainer, self._hang_timeout)  # the user's own HangWatchdog wins
 
     @override
     def on_train_start(self) -> None:

@@ -332,8 +332,8 @@ def default_process_group_store() -> Any:
     """The key-value store of the default process group, or None without one (``distributed_c10d._get_default_store``).
 
     ``init_process_group`` creates it (a ``TCPStore`` for ``env://``/``tcp://`` and under torchrun, a ``FileStore``
-    for ``file://``) and wraps it in ``PrefixStore``s; ``HangWatchdog`` opens its own client to the ``TCPStore``
-    server under them, so its side channel works while the process group's collectives are blocked.
+    for ``file://``) and wraps it in ``PrefixStore``s. ``ProgressWatchdog`` exchanges the ranks' states through it:
+    the store keeps answering while the process group's collectives are blocked.
     """
     import torch.distributed as dist
 

@@ -1,20 +1,22 @@
-"""A CPU job (Lightning's popen launcher, ``strategy="ddp"``) in which one rank hangs on purpose; run by
-tests/callbacks/test_hang_watchdog.py.
+"""A CPU job (Lightning's popen launcher, ``AccelDDP(hang_timeout=T)``) in which one rank hangs or works long on
+purpose; run by tests/callbacks/test_hang_watchdog.py.
 
 Usage::
 
-    python tests/scripts/hang_job.py --mode sleep --devices 2 --rank 1 --step 3 --timeout 3
-    python tests/scripts/hang_job.py --mode dataloader --devices 4 --rank 2 --step 3 --timeout 3
-    python tests/scripts/hang_job.py --mode worker --devices 2 --rank 1 --step 3 --timeout 3
-    python tests/scripts/hang_job.py --mode divergent --devices 2 --rank 1 --step 3 --timeout 3
+    python tests/scripts/hang_job.py --mode sleep --devices 2 --rank 1 --step 3 --timeout 5
+    python tests/scripts/hang_job.py --mode dataloader --devices 4 --rank 2 --step 3 --timeout 5
+    python tests/scripts/hang_job.py --mode worker --devices 2 --rank 1 --step 3 --timeout 5
+    python tests/scripts/hang_job.py --mode divergent --devices 2 --rank 1 --step 3 --timeout 5
     python tests/scripts/hang_job.py --mode slow_ok --devices 2 --timeout 5 --max-steps 60
+    python tests/scripts/hang_job.py --mode epoch_end --rank 0 --sleep 45 --strategy accel_fsdp  # default: no timeout
 
 ``sleep``: the rank blocks forever in ``training_step``. ``dataloader``/``worker``: its dataset blocks forever when
 fetching the batch of that step (in the main process / in a DataLoader worker). ``divergent``: after validating at
 that step, every other rank makes an ``all_reduce`` in ``on_validation_epoch_end``, the rank skips it and enters the
-next training step's collectives. In these modes ``HangWatchdog`` must end the job within seconds of the timeout.
+next training step's collectives. In these modes the watchdog must end the job within seconds of the timeout.
 ``slow_ok`` runs a slow first step, a slow rank, a 20 s validation and slow checkpoint saves, none of which may
-trigger it.
+trigger it. ``epoch_end``: the rank works ``--sleep`` seconds in a callback's ``on_train_epoch_end`` of the first of
+two 8-step epochs: a healthy job that the default strategy (no ``--timeout``) must finish.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lit_accel.callbacks.hang_watchdog import HangWatchdog
+from lit_accel import AccelDDP, AccelFSDP
 
 # Printed by the hanging rank just before it blocks, with the wall-clock time, so the test can time the detection.
 HANG_MARKER = "HANG_STARTS_AT"
@@ -103,13 +105,32 @@ class _Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class _Rank0Work(pl.Callback):
+    """One rank's own work between epochs (samples, an evaluation, an upload): legitimate, however long."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == self.rank and trainer.current_epoch == 0:
+            print(
+                f"{HANG_MARKER} {time.time():.3f} rank {self.rank} works in on_train_epoch_end",
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(self.seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("sleep", "dataloader", "worker", "divergent", "slow_ok"), required=True)
+    modes = ("sleep", "dataloader", "worker", "divergent", "slow_ok", "epoch_end")
+    parser.add_argument("--mode", choices=modes, required=True)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--rank", type=int, default=1, help="the rank that hangs")
     parser.add_argument("--step", type=int, default=3, help="the optimizer step at which it hangs")
-    parser.add_argument("--timeout", type=float, default=3.0, help="HangWatchdog(timeout=)")
+    parser.add_argument("--timeout", type=float, default=None, help="hang_timeout= (default: the strategy's)")
+    parser.add_argument("--strategy", choices=("accel_ddp", "accel_fsdp"), default="accel_ddp")
+    parser.add_argument("--sleep", type=float, default=45.0, help="epoch_end: seconds of the rank's own work")
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--root", default=None, help="Trainer(default_root_dir=): where checkpoints go")
     args = parser.parse_args()
@@ -118,16 +139,19 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     hang_rank = args.rank if args.mode in ("dataloader", "worker") else None
     loader = DataLoader(_Data(hang_rank, args.step), batch_size=BATCH, num_workers=int(args.mode == "worker"))
-    slow_ok = args.mode == "slow_ok"
-    callbacks: list[pl.Callback] = [HangWatchdog(timeout=args.timeout, interval=0.5)]
+    slow_ok, epoch_end = args.mode == "slow_ok", args.mode == "epoch_end"
+    callbacks: list[pl.Callback] = [_Rank0Work(args.rank, args.sleep)] if epoch_end else []
     if slow_ok:
         callbacks.append(ModelCheckpoint(every_n_train_steps=20, save_top_k=-1))
+    strategy = (AccelFSDP if args.strategy == "accel_fsdp" else AccelDDP)(hang_timeout=args.timeout)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp",
+        strategy=strategy,
         callbacks=callbacks,
-        max_steps=args.max_steps,
+        max_steps=-1 if epoch_end else args.max_steps,
+        max_epochs=2 if epoch_end else None,
+        limit_train_batches=8 if epoch_end else None,
         val_check_interval=30 if slow_ok else args.step + 1,  # divergent: validate after step ``--step``
         limit_val_batches={"slow_ok": 2, "divergent": 1}.get(args.mode, 0),
         num_sanity_val_steps=0,

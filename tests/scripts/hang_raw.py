@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/scripts/hang_raw.py --rank 1 --step 3 --timeout 3
+    python -m torch.distributed.run --nproc-per-node 2 tests/scripts/hang_raw.py --rank 1 --step 3 --timeout 5
 
 Run by tests/callbacks/test_hang_watchdog.py: under torchrun (an external launcher, whose agent hosts the store) the
 watchdog must report the stuck rank on every rank and end each of them with exit code 124 within seconds.
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lit_accel.callbacks.progress_watchdog import ProgressWatchdog
+from lit_accel.meters import ProgressWatchdog
 
 HANG_MARKER = "HANG_STARTS_AT"
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank", type=int, default=1, help="the rank that blocks")
     parser.add_argument("--step", type=int, default=3, help="the step at which it blocks")
-    parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -39,20 +39,22 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     watchdog = ProgressWatchdog(args.timeout, interval=0.5)
     watchdog.start()
-    for step in range(50):
-        watchdog.enter("data", step)
-        batch = torch.randn(4, 8)
-        watchdog.enter("forward", step)
-        if rank == args.rank and step == args.step:
-            print(f"{HANG_MARKER} {time.time():.3f} rank {rank}", file=sys.stderr, flush=True)
-            time.sleep(3600)
-        loss = model(batch).pow(2).mean()
-        watchdog.enter("backward", step)
-        loss.backward()
-        watchdog.enter("optimizer_step", step)
-        optimizer.step()
-        optimizer.zero_grad()
-    watchdog.stop()
+    try:
+        for step in range(50):
+            watchdog.enter("data", step)
+            batch = torch.randn(4, 8)
+            watchdog.enter("forward", step)
+            if rank == args.rank and step == args.step:
+                print(f"{HANG_MARKER} {time.time():.3f} rank {rank}", file=sys.stderr, flush=True)
+                time.sleep(3600)
+            loss = model(batch).pow(2).mean()
+            watchdog.enter("backward", step)
+            loss.backward()
+            watchdog.enter("optimizer_step", step)
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        watchdog.stop()  # after a verdict, a peer's exit makes a collective raise: this ends the rank with the verdict
     dist.destroy_process_group()
 
 

@@ -1,16 +1,19 @@
-"""The torch internals HangWatchdog's side channel relies on, through ``lit_accel.utilities._compat``.
+"""The torch internals the hang watchdog relies on, through ``lit_accel.utilities._compat``.
 
-``default_process_group_store`` reads torch's private ``distributed_c10d._get_default_store``; the channel then unwraps
-the ``PrefixStore``s (``underlying_store``) down to the ``TCPStore`` and opens its own client to its ``host``/``port``.
-These tests fail loudly when torch moves any of that.
+``default_process_group_store`` reads torch's private ``distributed_c10d._get_default_store``; the watchdog thread then
+uses it (under a ``PrefixStore`` of its own) while the main thread is blocked in a collective. These tests fail loudly
+when torch moves any of that.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from lit_accel.callbacks._hang_channels import open_store_client
 from lit_accel.utilities._compat import default_process_group_store
 from tests.helpers import run_distributed
 
@@ -26,25 +29,32 @@ def test_no_store_without_a_process_group():
     assert default_process_group_store() is None
 
 
-def _through_the_store(rank: int, world_size: int) -> dict[str, object]:
-    store = default_process_group_store()
-    chain = [type(store).__name__]
-    inner = store
-    while isinstance(inner, dist.PrefixStore):
-        inner = inner.underlying_store
-        chain.append(type(inner).__name__)
-    client = open_store_client(store, timeout_s=10.0)  # a connection of its own, as the watchdog thread uses
-    client.set(f"lit_accel_test/{rank}", f"hello from {rank}")
-    dist.barrier()
-    peer = client.get(f"lit_accel_test/{1 - rank}").decode()
-    # The prefixed default store and the raw client see different namespaces: the channel's keys never collide
-    # with the process group's own.
-    return {"chain": chain, "peer": peer, "own_client": client is not store, "host": (inner.host, inner.port)}
+def _through_the_store_while_blocked(rank: int, world_size: int) -> dict[str, object]:
+    """Rank 1 blocks in an all_reduce for 2 s; meanwhile a thread on each rank uses the store as the watchdog does."""
+    store = dist.PrefixStore("lit_accel_test/", default_process_group_store())
+    seen: dict[str, object] = {}
+
+    def side_channel() -> None:
+        started = time.monotonic()
+        store.set(f"state/{rank}", f"hello from {rank}")
+        store.add("count", 1)
+        while int(store.add("count", 0)) < world_size:
+            time.sleep(0.05)
+        keys = [f"state/{r}" for r in range(world_size)]
+        seen["check"] = store.check(keys) and not store.check(["state/absent"])
+        seen["values"] = [v.decode() for v in store.multi_get(keys)]
+        seen["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=side_channel)
+    thread.start()
+    if rank == 1:
+        time.sleep(2.0)
+    dist.all_reduce(torch.ones(1))  # rank 0 blocks here for 2 s
+    thread.join()
+    return seen
 
 
-def test_default_store_is_reachable_from_a_second_client_on_every_rank():
-    results = run_distributed(_through_the_store, 2, timeout=60)
-    for rank, result in enumerate(results):
-        assert result["chain"][0] == "PrefixStore" and result["chain"][-1] == "TCPStore"
-        assert result["own_client"] and result["peer"] == f"hello from {1 - rank}"
-    assert results[0]["host"] == results[1]["host"]  # one server (rank 0's), reached by both
+def test_default_store_answers_a_thread_while_the_main_thread_is_blocked_in_a_collective():
+    for result in run_distributed(_through_the_store_while_blocked, 2, timeout=60):
+        assert result["check"] and result["values"] == ["hello from 0", "hello from 1"]
+        assert result["seconds"] < 1.5  # rank 0's thread did not wait for its main thread's collective
