@@ -95,7 +95,7 @@ def test_accel_ddp_from_flags_with_a_nested_sync_batchnorm_and_ddp_arguments():
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AccelDDP)
     assert (strategy.global_batch_size, strategy.micro_batch_size) == (64, 8)
-    assert strategy._accumulation.partial_window == "lightning"
+    assert strategy.partial_window == "lightning"
     assert strategy._comm_hook is default_hooks.fp16_compress_hook  # an import path becomes the function itself
     assert isinstance(strategy._batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
     # DDP's own arguments reach DistributedDataParallel; the ones left at DDP's defaults are not passed at all
@@ -455,7 +455,7 @@ def _replay() -> dict[str, torch.Tensor]:
 def test_the_cli_job_trains_two_processes_with_the_configured_global_batch(jobs):
     returncode, output, _ = jobs["train"]
     assert returncode == 0, output[-4000:]
-    assert f"AccelDDP: global batch {GLOBAL} = {MICRO} per device x 2 accumulation x {RANKS} devices" in output
+    assert f"AccelDDP: global batch {GLOBAL} = {MICRO} loaded x 2 accumulation x {RANKS} data-parallel ranks" in output
     dumps = [torch.load(jobs["out"] / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
     for dump in dumps:
         assert (dump["world_size"], dump["global_step"], dump["strategy"]) == (RANKS, STEPS, "AccelDDP")

@@ -21,14 +21,15 @@ from typing_extensions import override
 
 from lit_accel.callbacks.hang_watchdog import HangWatchdog
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
+from lit_accel.strategies._batch_planner import BatchPlanner
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
 from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
-from lit_accel.strategies._global_batch import GlobalBatch
 from lit_accel.strategies._micro_batches import MicroBatchChange, MicroBatching
+from lit_accel.strategies._partial_window import PartialWindow
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
 from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
 from lit_accel.utilities._validation import check_number
-from lit_accel.utilities._workarounds import resume_finished_epoch
+from lit_accel.utilities._workarounds import resume_finished_epoch, resume_loader_states
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from lit_accel.strategies._fsdp_recovery import CollectiveLedger
+    from lit_accel.strategies.batch_plan import BatchPlan
 
 __all__ = ["AccelParts"]
 
@@ -90,31 +92,36 @@ class AccelParts:
         auto = micro_batch_size == "auto"
         if isinstance(micro_batch_size, str) and not auto:
             raise ValueError(f"{owner}(micro_batch_size={micro_batch_size!r}): expected an int or 'auto'. Fix: 'auto'.")
-        if auto and global_batch_size is None:
-            raise ValueError(
-                f"{owner}(micro_batch_size='auto') only serves global_batch_size, which is None. Fix: pass"
-                " global_batch_size (the loader's batches are then split to fit)."
-            )
-        self._accumulation = GlobalBatch(owner, global_batch_size, None if auto else micro_batch_size, partial_window)
+        self._planner = BatchPlanner(owner, global_batch_size, micro_batch_size)
+        self._window = PartialWindow(owner, partial_window)
         self._batchnorm_sync = BatchNormSync(owner, sync_batchnorm)
         self._micro_batch_arg = micro_batch_size
         self._micro: MicroBatching | None = None  # set at fit start when loaded batches are split
         self._attached_trainer: pl.Trainer | None = None  # set in setup(); the strategy's hooks do not receive it
 
     @property
+    def batch_plan(self) -> BatchPlan | None:
+        """This fit's plan (global batch, loaded batch, micro-batches, accumulation), once known."""
+        return self._planner.plan
+
+    @property
+    def partial_window(self) -> str:
+        """How an epoch's last, short accumulation window is averaged: ``"mean"`` or ``"lightning"``."""
+        return self._window.mode
+
+    @property
     def global_batch_size(self) -> int | None:
-        """Samples per optimizer step over all devices: the configured value, else micro x accumulation x world."""
-        trainer = self._attached_trainer
-        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
-        size = self._accumulation.global_size(accumulation, self.world_size)
-        return size if trainer is not None or self._accumulation.global_batch_size is not None else None
+        """Samples per optimizer step over all devices: the plan's, else the configured value."""
+        plan = self._planner.plan
+        return plan.global_batch_size if plan is not None else self._planner.global_batch_size
 
     @property
     def micro_batch_size(self) -> int | None:
-        """Samples per forward/backward on one device, known from fit start (or construction, if given)."""
+        """Samples per forward/backward on one device: the plan's, else the configured int."""
         if self._micro is not None and self._micro.size is not None:
             return self._micro.size
-        return self._accumulation.resolved_micro_batch_size
+        plan, configured = self._planner.plan, self._planner.micro_batch_size
+        return plan.micro_batch_size if plan is not None else configured if isinstance(configured, int) else None
 
     @property
     def micro_batch_changes(self) -> list[MicroBatchChange]:
@@ -173,7 +180,8 @@ class AccelParts:
         self._attached_trainer = trainer
         if trainer.state.fn == TrainerFn.FITTING:
             self._add_hang_watchdog(trainer)
-            self._accumulation.at_setup(trainer, self.lightning_module, self.world_size)
+            # before configure_optimizers (in super().setup), so that estimated_stepping_batches counts real steps
+            self._planner.resolve(trainer, data_parallel_size=self.world_size, device=self.root_device)
             self._check_accumulation(trainer.accumulate_grad_batches)
             layer_sync = self._batchnorm_sync.resolve(get_layer_sync(self), self.lightning_module, self.world_size)
             set_layer_sync(self, layer_sync)
@@ -189,19 +197,22 @@ class AccelParts:
     def on_train_start(self) -> None:
         trainer = self._attached_trainer
         assert trainer is not None
-        loaded = self._accumulation.at_train_start(
-            trainer, self.lightning_module, self.world_size, self.root_device, bool(self.lr_scheduler_configs)
-        )
-        self._check_accumulation(trainer.accumulate_grad_batches)
-        self._micro = self._micro_batching(loaded)
+        plan = self._planner.at_train_start(trainer)
+        self._window.new_fit()
+        self._micro = self._micro_batching(plan)
         super().on_train_start()  # type: ignore[misc]
 
-    def _micro_batching(self, loaded: int | None) -> MicroBatching | None:
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._planner.check_reload(self._attached_trainer)  # type: ignore[arg-type]
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    def _micro_batching(self, plan: BatchPlan | None) -> MicroBatching | None:
         arg = self._micro_batch_arg
         if self._micro is not None and self._micro.auto:
             self._micro.new_fit()
             return self._micro  # a further fit keeps the size it learned
-        if arg != "auto" and (arg is None or loaded is None or arg >= loaded):
+        if arg != "auto" and (arg is None or (plan is not None and plan.micro_batches == 1)):
             return None
         owner = type(self).__name__
         module = self.lightning_module
@@ -217,7 +228,7 @@ class AccelParts:
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         # Lightning starts a window at batch_idx % k == 0 and forces a step on an epoch's last batch, so only that
         # window can be shorter than k.
-        self._accumulation.window_micro_batches += 1
+        self._window.batch_started()
         if self._micro is not None:
             return self._micro.run(self, super().training_step, args[0], args[1:], kwargs)  # type: ignore[misc]
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
@@ -239,13 +250,10 @@ class AccelParts:
         trainer, module = self._attached_trainer, self.lightning_module
         accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
         automatic = module is None or module.automatic_optimization
-        closure = self._accumulation.wrap_closure(closure, optimizer, accumulation, automatic)
+        closure = self._window.step(closure, optimizer, accumulation, automatic)
         if self._micro is not None:
             closure = _restoring(closure, self._micro)
-        try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        finally:
-            self._accumulation.window_micro_batches = 0
+        return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
 
     @override
     def on_train_end(self) -> None:
@@ -262,6 +270,7 @@ class AccelParts:
         trainer = self._attached_trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             resume_finished_epoch(trainer)
+            resume_loader_states(trainer)  # the plan set the loader up before the loops were restored
 
     def _compile_blocks(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
         """Compile the blocks' ``forward`` before the strategy wraps or shards ``model`` (``compile=`` set)."""

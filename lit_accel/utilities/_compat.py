@@ -168,6 +168,21 @@ def batches_that_stepped(trainer: object) -> int:
 # --- Resume at an epoch boundary and the launcher (tests: tests/utilities/test_compat_reliability.py) ---
 
 
+def load_pending_loader_states(trainer: object) -> bool:
+    """Load a restored checkpoint's train loader states into a loader set up before the restore; True if it did.
+
+    ``FitLoop.setup_data`` returns early when the loader exists, skipping ``_load_combined_loader_states`` and the new
+    ``iter`` of the ``_data_fetcher`` that follows it: this does both, in that order. Used by ``_workarounds``.
+    """
+    fit_loop = trainer.fit_loop  # type: ignore[attr-defined]
+    if not (fit_loop.restarting and fit_loop._combined_loader_states_to_load and fit_loop._combined_loader):
+        return False
+    fit_loop._load_combined_loader_states()
+    if fit_loop._data_fetcher is not None:
+        iter(fit_loop._data_fetcher)  # the iterator made before the states were loaded would ignore them
+    return True
+
+
 def clear_finished_epoch_restart(trainer: object) -> bool:
     """If the restored fit loop is "restarting" a finished epoch, clear that flag (``_Loop.restarting``'s base setter).
 

@@ -130,7 +130,7 @@ def test_two_cpu_processes_train_from_the_yaml(tmp_path):
     proc = _run(README_TWO_PROCESSES, tmp_path, timeout=240)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
-    assert "AccelDDP: global batch 32 = 16 per device x 1 accumulation x 2 devices" in output
+    assert "AccelDDP: global batch 32 = 16 loaded x 1 accumulation x 2 data-parallel ranks" in output
     flops = re.search(r"Total FLOPs: ([\d.]+) ?([KMGT]?)", output)
     assert flops and float(flops.group(1)) > 0, output[-3000:]
     assert re.search(r"validation accuracy \d+\.\d+% after 4 optimizer steps", output)
