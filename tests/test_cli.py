@@ -97,7 +97,7 @@ def test_accel_ddp_from_flags_with_a_nested_sync_batchnorm_and_ddp_arguments():
     assert (strategy.global_batch_size, strategy.micro_batch_size) == (64, 8)
     assert strategy.partial_window == "lightning"
     assert strategy._comm_hook is default_hooks.fp16_compress_hook  # an import path becomes the function itself
-    assert isinstance(strategy._batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
+    assert isinstance(strategy.parts.batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
     # DDP's own arguments reach DistributedDataParallel; the ones left at DDP's defaults are not passed at all
     assert strategy._ddp_kwargs == {"bucket_cap_mb": 5, "gradient_as_bucket_view": True}
     assert strategy._timeout.total_seconds() == 90
@@ -161,7 +161,7 @@ trainer:
     strategy = _cli([*QUIET, "--config", config]).trainer.strategy
     assert isinstance(strategy, AccelFSDP)
     assert strategy.shard_policy is torch.nn.Linear and strategy.cpu_offload is True
-    assert isinstance(strategy._batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
+    assert isinstance(strategy.parts.batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
 
 
 # ---------------------------------------------------------------------------------------------------- precision

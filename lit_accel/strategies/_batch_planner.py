@@ -70,10 +70,9 @@ class BatchPlanner:
     ) -> BatchPlan | None:
         """At the start of the strategy's ``setup``: the plan of this fit, applied and announced (``None``: not known).
 
-        With ``global_batch_size`` the train dataloader is loaded now (as ``estimated_stepping_batches`` would) and
-        its batch size agreed on by the ``group``'s ranks; without, the plan is read at fit start
-        (:meth:`at_train_start`) and changes nothing the Trainer counts. Every rank raises the same error for a plan
-        that cannot be made.
+        With ``global_batch_size`` or ``micro_batch_size`` the train dataloader is loaded now (as
+        ``estimated_stepping_batches`` would); a global batch size is agreed on by the ``group``'s ranks, and every
+        rank raises the same error for a plan that cannot be made. With neither, there is no plan (``None``).
         """
         self.plan, self._loader = None, None
         self._where = (data_parallel_size, group, device, even_micro_batches)
@@ -81,9 +80,11 @@ class BatchPlanner:
             return None
         if trainer.accumulate_grad_batches != self._written:  # a value this planner wrote is not the user's
             self._user_accumulation = trainer.accumulate_grad_batches
-        if self.global_batch_size is None:
+        if self.global_batch_size is None and self.micro_batch_size is None:
             return None
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if self.global_batch_size is not None and any(
+            isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks
+        ):
             raise ValueError(
                 f"{self.owner}(global_batch_size={self.global_batch_size}) sets the accumulation itself, which"
                 " contradicts the GradientAccumulationScheduler callback. Fix: drop one of them."
@@ -91,12 +92,6 @@ class BatchPlanner:
         if trainer.train_dataloader is None:
             trainer.fit_loop.setup_data()  # Lightning's own way to the loader before configure_optimizers
         return self._read(trainer)
-
-    def at_train_start(self, trainer: pl.Trainer) -> BatchPlan | None:
-        """At fit start: the plan read from the loader when :meth:`resolve` left it to now (no global batch)."""
-        if self.plan is None and self._loader is None and trainer.state.fn == TrainerFn.FITTING:
-            return self._read(trainer)
-        return self.plan
 
     def check_reload(self, trainer: pl.Trainer) -> None:
         """Before each batch: a reloaded train dataloader (``reload_dataloaders_every_n_epochs``) must fit the plan."""

@@ -106,7 +106,7 @@ def _accumulating_runs(rank: int, world_size: int) -> dict[str, dict]:
         # The same accumulation from the Trainer flag (no global_batch_size), and k = 1 and 4 for the counts.
         runs["trainer_flag"] = _fit(rank, world_size, _strategy(counted=True), MICRO, accumulate_grad_batches=2)
         runs["k1"] = _fit(rank, world_size, _strategy(16, counted=True), MICRO)
-        runs["k1_hookless"] = _fit(rank, world_size, _strategy(16), MICRO)
+        runs["k1_default"] = _fit(rank, world_size, _strategy(16), MICRO)
         runs["k4"] = _fit(rank, world_size, _strategy(64, counted=True), MICRO)
     return runs
 
@@ -200,21 +200,21 @@ def test_one_all_reduce_round_per_optimizer_step_whatever_k(one_process, two_pro
     assert len(per_step_counts) == 1 and per_step_counts.pop() >= 1
 
 
-def test_hookless_counters_equal_the_counted_all_reduces_with_and_without_accumulation(one_process, two_processes):
+def test_default_counters_equal_the_counted_all_reduces_with_and_without_accumulation(one_process, two_processes):
     numel = sum(p.numel() for p in BNModel(batchnorm=False).parameters())
     batches_per_epoch = {1: N_SAMPLES // MICRO, 2: N_SAMPLES // MICRO // 2}
     cases = [(one_process["mean"], one_process["mean_counted"], 1, 4)]
     for ranks in two_processes:
-        cases += [(ranks["mean"], ranks["mean_counted"], 2, 2), (ranks["k1_hookless"], ranks["k1"], 2, 1)]
-    for hookless, counted, world_size, k in cases:
-        assert hookless["accumulation"] == counted["accumulation"] == k
+        cases += [(ranks["mean"], ranks["mean_counted"], 2, 2), (ranks["k1_default"], ranks["k1"], 2, 1)]
+    for default, counted, world_size, k in cases:
+        assert default["accumulation"] == counted["accumulation"] == k
         # Micro-batch by micro-batch, the same collectives as the hook really saw (one bucket: no layout change) ...
-        assert hookless["calls"] == counted["calls"], (world_size, k)
+        assert default["calls"] == counted["calls"], (world_size, k)
         # ... and the fp32 gradient bytes once per optimizer step (per rank), nothing on non-final micro-batches.
         ends = _window_ends(batches_per_epoch[world_size], k, EPOCHS)
-        increments = [b - a for a, b in zip([0, *hookless["bytes"]], hookless["bytes"])]
+        increments = [b - a for a, b in zip([0, *default["bytes"]], default["bytes"])]
         assert increments == [4 * numel if end else 0 for end in ends], (world_size, k)
-        assert hookless["bytes"] == counted["bytes"]
+        assert default["bytes"] == counted["bytes"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
