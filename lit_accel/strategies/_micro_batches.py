@@ -13,7 +13,7 @@ import functools
 import gc
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["MicroBatchHost", "MicroBatching", "split_batch"]
 
 
+@runtime_checkable
 class MicroBatchHost(Protocol):
     """What micro-batching needs from a strategy: Lightning's public members and two of lit_accel's."""
 
