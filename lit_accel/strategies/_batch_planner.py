@@ -97,7 +97,7 @@ class BatchPlanner:
         """Before each batch: a reloaded train dataloader (``reload_dataloaders_every_n_epochs``) must fit the plan."""
         if self.plan is not None and trainer.train_dataloader is not self._loader:
             planned = self.plan
-            plan = self._read(trainer, announce=False)
+            plan = self._read(trainer, first=False)
             if plan is not None and plan.accumulate_grad_batches != planned.accumulate_grad_batches:
                 raise ValueError(
                     f"{self.owner}: the reloaded train dataloader's batch_size={plan.loaded_batch_size} changes the"
@@ -115,7 +115,7 @@ class BatchPlanner:
         rank_zero_info(f"{self.owner}: micro_batch_size='auto' chose {size}{described}")
         return self.plan
 
-    def _read(self, trainer: pl.Trainer, announce: bool = True) -> BatchPlan | None:
+    def _read(self, trainer: pl.Trainer, first: bool = True) -> BatchPlan | None:
         ranks, group, device, even = self._where
         self._loader = loaders = trainer.train_dataloader
         if loaders is None:
@@ -140,11 +140,12 @@ class BatchPlanner:
                 f" Lightning does not accumulate. Fix: use global_batch_size={loaded * ranks}, or accumulate in your"
                 " training_step."
             )
+        if not first:
+            return plan  # a reload: checked against the plan, which stays the fit's
         if self.global_batch_size is not None:
-            trainer.accumulate_grad_batches = self._written = plan.accumulate_grad_batches
+            trainer.accumulate_grad_batches = self._written = plan.accumulate_grad_batches  # once per fit
         self.plan = plan
-        if announce:
-            rank_zero_info(f"{self.owner}: {plan.describe()}")
+        rank_zero_info(f"{self.owner}: {plan.describe()}")
         return plan
 
     def _agreed(self, loaded: int | None, group: Any, device: torch.device) -> int:

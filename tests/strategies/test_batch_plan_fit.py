@@ -138,3 +138,27 @@ def test_a_loader_without_batch_size_is_named_before_training():
     assert message.startswith("AccelDDP(global_batch_size=64): the train dataloader has no batch_size"), message
     assert "Fix: give the DataLoader a batch_size" in message
     assert estimate is None  # configure_optimizers never ran
+
+
+class _GrowingData(Data):
+    """A datamodule whose reloaded train dataloader doubles its batch size."""
+
+    def train_dataloader(self) -> DataLoader:
+        loader = DataLoader(self.dataset, batch_size=self.batch)
+        self.batch *= 2
+        return loader
+
+
+def _reloads_bigger(rank: int, world: int) -> tuple[str, int]:
+    model = OneCycle()
+    kwargs = small_trainer_kwargs(max_steps=-1, max_epochs=2, reload_dataloaders_every_n_epochs=1)
+    trainer = pl.Trainer(strategy=AccelDDP(global_batch_size=64), **kwargs)
+    with pytest.raises(ValueError) as info:
+        trainer.fit(model, datamodule=_GrowingData(256, 32))
+    return str(info.value), trainer.global_step
+
+
+def test_a_reloaded_loader_that_changes_the_plan_is_refused_at_the_reload():
+    message, steps = run_distributed(_reloads_bigger, 1, init_process_group=False, timeout=120, start_method="spawn")[0]
+    assert "reloaded train dataloader's batch_size=64 changes the plan (global batch 64 = 32 loaded" in message
+    assert "Fix: keep batch_size=32 when reloading" in message and steps == 4  # epoch 0 ran, epoch 1 did not start
