@@ -9,8 +9,8 @@ fp32) in interleaved repetitions of four arms:
   ``configure_model`` that applies ``fully_shard`` the same way (the user code that strategy requires);
 * ``accel_ddp``: ``Trainer(strategy=AccelDDP())``, for the memory and time of not sharding;
 * ``accel_fsdp_auto``: ``AccelFSDP(global_batch_size=B x N, micro_batch_size="auto")`` where everything fits, so the
-  same single micro-batch per step: the cost of keeping collectives in step (the ledger's bookkeeping per collective,
-  one agreement all-reduce per step).
+  same single micro-batch per step once the search (measured runs on the first loaded batch, before the first step)
+  chose it: the steady-state cost of "auto" after its one-time search, which ``--warmup`` leaves out.
 
 A step is the period between two ``on_train_batch_start`` stamps on the slowest rank; per repetition the median over
 ``--steps`` steps after ``--warmup`` is kept, and the ratios are paired per repetition (see ``_common.py``). Memory is

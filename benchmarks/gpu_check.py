@@ -17,9 +17,9 @@ part1
    (torch's with its 5 fused kernels), their step time and host syncs, and ``"auto"``'s choice against the faster.
 5. ``memory``: MemoryMonitor's activations + autocast's weight copies within 25% of ``memory_allocated``'s growth
    over the forward (bf16, 32 images), and its peak is the fit's own (the process peaked at 8 GiB just before).
-6. ``micro_batch_auto``: ``micro_batch_size="auto"`` under ``set_per_process_memory_fraction`` (256 and 128 run out
-   of memory, 64 fits): a change is recorded and the fit finishes, with AccelDDP and AccelFSDP (FSDP where torch can
-   reset an FSDP iteration, >= 2.13; n/a below).
+6. ``micro_batch_auto``: ``micro_batch_size="auto"`` under ``set_per_process_memory_fraction`` (256 and 128 do not
+   fit, 64 does): a smaller micro-batch is chosen before the first step and the fit finishes, with AccelDDP and
+   AccelFSDP.
 
 part2 (ViT-B/16 at ``min(--batch, 128)``, 3 warm-up and 10 timed steps, fused AdamW; fits shared, ``_gpu_arms.py``)
 7. ``fsdp``: ``AccelFSDP()`` on one GPU, bf16: the loss falls at least half as much as AccelDDP's; images/s as INFO.

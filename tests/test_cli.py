@@ -96,9 +96,9 @@ def test_accel_ddp_from_flags_with_a_nested_sync_batchnorm_and_ddp_arguments():
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AccelDDP)
     assert (strategy.global_batch_size, strategy.micro_batch_size) == (64, 8)
-    assert strategy._accumulation.partial_window == "lightning"
+    assert strategy.partial_window == "lightning"
     assert strategy._comm_hook is default_hooks.fp16_compress_hook  # an import path becomes the function itself
-    assert isinstance(strategy._batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
+    assert isinstance(strategy.parts.batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
     # DDP's own arguments reach DistributedDataParallel; the ones left at DDP's defaults are not passed at all
     assert strategy._ddp_kwargs == {"bucket_cap_mb": 5, "gradient_as_bucket_view": True}
     assert strategy._timeout.total_seconds() == 90
@@ -162,7 +162,7 @@ trainer:
     strategy = _cli([*QUIET, "--config", config]).trainer.strategy
     assert isinstance(strategy, AccelFSDP)
     assert strategy.shard_policy is torch.nn.Linear and strategy.cpu_offload is True
-    assert isinstance(strategy._batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
+    assert isinstance(strategy.parts.batchnorm_sync.plugin, AccelSyncBatchNorm) and strategy.sync_bn_group_size == 2
 
 
 # ---------------------------------------------------------------------------------------------------- precision
@@ -465,7 +465,7 @@ def _replay() -> dict[str, torch.Tensor]:
 def test_the_cli_job_trains_two_processes_with_the_configured_global_batch(jobs):
     returncode, output, _ = jobs["train"]
     assert returncode == 0, output[-4000:]
-    assert f"AccelDDP: global batch {GLOBAL} = {MICRO} per device x 2 accumulation x {RANKS} devices" in output
+    assert f"AccelDDP: global batch {GLOBAL} = {MICRO} loaded x 2 accumulation x {RANKS} data-parallel ranks" in output
     dumps = [torch.load(jobs["out"] / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
     for dump in dumps:
         assert (dump["world_size"], dump["global_step"], dump["strategy"]) == (RANKS, STEPS, "AccelDDP")

@@ -9,6 +9,7 @@ import ast
 import importlib
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,81 @@ def _defined_names() -> dict[str, list[object]]:
             if isinstance(obj, type) and getattr(obj, "__module__", "").startswith("lit_accel"):
                 defined[name].append(obj)
     return defined
+
+
+# --- issue #27: the strategies stay simple, and no module reaches into a strategy's private state ---
+
+STRATEGIES = sorted((PACKAGE / "strategies").glob("*.py"))
+MAX_COMPLEXITY = 12
+_BRANCHES = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.ExceptHandler, ast.IfExp, ast.comprehension, ast.match_case)
+
+
+def _complexity(function: ast.AST) -> int:
+    """McCabe's number: 1 + branches (if, loops, except, conditional expressions, comprehensions, match cases) + the
+    extra operands of ``and``/``or``; a nested function counts in its parent, as one reading does."""
+    count = 1
+    for node in ast.walk(function):
+        if isinstance(node, _BRANCHES):
+            count += 1
+        elif isinstance(node, ast.BoolOp):
+            count += len(node.values) - 1
+    return count
+
+
+def test_no_strategy_function_is_more_complex_than_twelve():
+    complex_ = []
+    for path in STRATEGIES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _complexity(node) > MAX_COMPLEXITY:
+                complex_.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({_complexity(node)})")
+    assert not complex_, f"functions above cyclomatic complexity {MAX_COMPLEXITY} (split them): {complex_}"
+
+
+def _private_reads(path: Path, only: Callable[[ast.expr], bool] | None = None) -> list[str]:
+    """``x._name`` reads of another object's private name: not ``self``/``cls``/``super()``, not defined here."""
+    tree = ast.parse(path.read_text())
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    defined |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        base = node.value
+        own = isinstance(base, ast.Name) and base.id in ("self", "cls")
+        parent = isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super"
+        if own or parent or node.attr in defined or (only is not None and not only(base)):
+            continue
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def _is_strategy(expr: ast.expr) -> bool:
+    text = ast.unparse(expr)
+    return text.split(".")[-1] in ("strategy", "host") or text.endswith("strategy")
+
+
+def test_no_module_reads_a_private_name_of_a_strategy_it_does_not_define():
+    """Private Lightning/torch state only through utilities/_compat.py (and fixes in _workarounds.py)."""
+    fenced = {"_compat.py", "_workarounds.py"}
+    reads = [r for path in STRATEGIES if path.name not in fenced for r in _private_reads(path)]
+    reads += [r for path in MODULES if path.name not in fenced for r in _private_reads(path, _is_strategy)]
+    assert not reads, f"private names read from other objects (go through a public name or _compat): {reads}"
+
+
+_EXAMPLE_ONLY = ("timm", "torchmetrics")
+
+
+def test_example_packages_are_extras_that_the_library_never_imports():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = lambda requirements: {re.split(r"[<>=\[ ;]", r, maxsplit=1)[0] for r in requirements}  # noqa: E731
+    assert not names(project["dependencies"]) & set(_EXAMPLE_ONLY)
+    for extra in ("examples", "test"):  # the examples and the tests that run them get them through these extras
+        assert set(_EXAMPLE_ONLY) <= names(project["optional-dependencies"][extra]), extra
+    imports = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            modules += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            imports += [f"{path.relative_to(ROOT)}:{node.lineno}" for m in modules if m.split(".")[0] in _EXAMPLE_ONLY]
+    assert not imports, f"lit_accel/ imports an example-only package: {imports}"

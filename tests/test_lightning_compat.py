@@ -233,7 +233,8 @@ def test_lightning_cli_configures_the_strategy_and_plugin_from_flags_and_yaml(tm
     )
     yaml = _cli(["--config", str(config)])
     assert (
-        isinstance(yaml.strategy._batchnorm_sync.plugin, AccelSyncBatchNorm) and yaml.strategy.sync_bn_group_size == 2
+        isinstance(yaml.strategy.parts.batchnorm_sync.plugin, AccelSyncBatchNorm)
+        and yaml.strategy.sync_bn_group_size == 2
     )
     plugin = yaml.precision_plugin
     assert isinstance(plugin, AccelPrecision) and isinstance(plugin, MixedPrecision)

@@ -176,7 +176,7 @@ def _check_training(job: _Job, script: Any, steps: int) -> None:
         # the global batch holds over 4 ranks: 32 = 4 per device x 4 devices x 2 accumulation
         assert (dump["global_batch_size"], dump["micro_batch_size"], dump["accumulate_grad_batches"]) == (GLOBAL, 4, 2)
         assert dump["sync_bn_group_size"] == PER_NODE
-    decomposition = f"AccelDDP: global batch {GLOBAL} = {MICRO} per device x 2 accumulation x 4 devices"
+    decomposition = f"AccelDDP: global batch {GLOBAL} = {MICRO} loaded x 2 accumulation x 4 data-parallel ranks"
     assert decomposition in job.nodes[0].output
     params, node_stats = _replay(script, steps)
     for name, value in params.items():

@@ -61,11 +61,7 @@ class BatchNormSync:
             ValueError: ``sync_batchnorm=False`` with ``Trainer(sync_batchnorm=True)``, or a group size that does not
                 divide ``world_size``.
         """
-        if self.enabled and module is not None and not self._told_no_batchnorm and not count_batchnorm_layers(module):
-            self._told_no_batchnorm = True
-            rank_zero_info(
-                f"{self.owner}: the model has no BatchNorm layer; pass sync_batchnorm=False to silence this."
-            )
+        self._tell_no_batchnorm(module)
         if current is not None and not isinstance(current, TorchSyncBatchNorm):
             if isinstance(current, AccelSyncBatchNorm):
                 self.plugin = current  # so that group_size reports the Trainer's plugin, not the default
@@ -76,13 +72,7 @@ class BatchNormSync:
                     f"{self.owner}(sync_batchnorm=False) contradicts Trainer(sync_batchnorm=True). Fix: drop one."
                 )
             return None
-        group_size = self.plugin.group_size
-        if group_size is not None and world_size % group_size:
-            allowed = [k for k in range(1, world_size + 1) if world_size % k == 0]
-            raise ValueError(
-                f"{self.owner}(sync_batchnorm=AccelSyncBatchNorm(group_size={group_size})) must divide the world size"
-                f" {world_size}. Allowed: {allowed} or None (all ranks). Fix: pass e.g. the devices per node."
-            )
+        group_size = self._checked_group_size(world_size)
         if current is not None:
             rank_zero_info(
                 f"{self.owner}: Trainer(sync_batchnorm=True) is replaced by lit_accel's SyncBatchNorm (any backend;"
@@ -91,3 +81,20 @@ class BatchNormSync:
         if world_size == 1 or group_size == 1:
             return None  # a group of one rank has nothing to synchronise with: plain BatchNorm is exact, and cheaper
         return self.plugin
+
+    def _tell_no_batchnorm(self, module: nn.Module | None) -> None:
+        if self.enabled and module is not None and not self._told_no_batchnorm and not count_batchnorm_layers(module):
+            self._told_no_batchnorm = True
+            rank_zero_info(
+                f"{self.owner}: the model has no BatchNorm layer; pass sync_batchnorm=False to silence this."
+            )
+
+    def _checked_group_size(self, world_size: int) -> int | None:
+        group_size = self.plugin.group_size
+        if group_size is not None and world_size % group_size:
+            allowed = [k for k in range(1, world_size + 1) if world_size % k == 0]
+            raise ValueError(
+                f"{self.owner}(sync_batchnorm=AccelSyncBatchNorm(group_size={group_size})) must divide the world size"
+                f" {world_size}. Allowed: {allowed} or None (all ranks). Fix: pass e.g. the devices per node."
+            )
+        return group_size

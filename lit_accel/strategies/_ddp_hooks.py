@@ -44,7 +44,11 @@ def validate_comm(owner: str, hook: object, state: object, wrapper: object, mode
         _check_callable(owner, "comm_wrapper", wrapper, "wrapper(hook)")
         if hook is None:
             raise ValueError(f"{owner}(comm_wrapper=...) wraps a hook, but comm_hook is None. Fix: pass comm_hook.")
-    local_sgd = isinstance(state, post_localSGD_hook.PostLocalSGDState)
+    _check_state(owner, hook, state)
+    _check_averaging(owner, state, model_averaging_period)
+
+
+def _check_state(owner: str, hook: object, state: object) -> None:
     if hook == "powersgd" and state is not None and not isinstance(state, powerSGD_hook.PowerSGDState):
         raise TypeError(f"{owner}(comm_hook='powersgd', comm_state={state!r}): expected a PowerSGDState or None.")
     if state is not None and not callable(hook) and hook != "powersgd":
@@ -52,7 +56,11 @@ def validate_comm(owner: str, hook: object, state: object, wrapper: object, mode
             f"{owner}(comm_state={type(state).__name__}(...)) needs comm_hook='powersgd' or a callable hook, got"
             f" comm_hook={hook!r}. Fix: pass the hook the state belongs to."
         )
+
+
+def _check_averaging(owner: str, state: object, model_averaging_period: int | None) -> None:
     check_int(owner, "model_averaging_period", model_averaging_period, allow_none=True, example=4)
+    local_sgd = isinstance(state, post_localSGD_hook.PostLocalSGDState)
     if local_sgd and model_averaging_period is None:
         raise ValueError(
             f"{owner}(comm_state=PostLocalSGDState(...)) averages models periodically. Fix: pass"
@@ -121,8 +129,8 @@ def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: HookCommStats) ->
         if kind == "powersgd":
             compressing = state.iter >= state.start_powerSGD_iter  # type: ignore[attr-defined]
             numel_before = state.total_numel_after_compression  # type: ignore[attr-defined]
-        start = stats._start(buffer.device)
-        round_ = stats._round(buffer.device)  # the first bucket of a backward marks the end of its compute
+        start = stats.start(buffer.device)
+        round_ = stats.open_round(buffer.device)  # the first bucket of a backward marks the end of its compute
         fut = hook(state, bucket)
         if kind in ("fp16", "bf16"):
             calls, nbytes = 1, numel * 2
@@ -135,7 +143,7 @@ def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: HookCommStats) ->
             calls, nbytes = 1, numel * buffer.element_size()
         stats.calls += calls
         stats.bytes += nbytes
-        return fut.then(lambda f: stats._finish(start, f, round_))
+        return fut.then(lambda f: stats.finish(start, f, round_))
 
     accel_counting_hook.__qualname__ = f"accel_counting_hook({getattr(hook, '__qualname__', repr(hook))})"
     return accel_counting_hook

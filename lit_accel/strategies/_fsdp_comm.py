@@ -28,8 +28,6 @@ from lit_accel.utilities._torch_fallbacks import all_gather_single, reduce_scatt
 if TYPE_CHECKING:
     from torch import nn
 
-    from lit_accel.strategies._fsdp_recovery import CollectiveLedger
-
 __all__ = ["FSDPCommStats", "install_counting_comms"]
 
 _AllGather, _ReduceScatter = fsdp_comm_base_classes()
@@ -103,9 +101,9 @@ class FSDPCommStats(HookCommStats):
                         }
 
         if work is None:  # synchronous (on CUDA: enqueued on FSDP's stream, which an event now marks)
-            finished(self._record_end(start))
+            finished(self.record_end(start))
         else:
-            work.get_future().then(lambda fut: (finished(self._record_end(start)), fut.value())[1])
+            work.get_future().then(lambda fut: (finished(self.record_end(start)), fut.value())[1])
         return work
 
     def _restore(self, calls: int, nbytes: int) -> None:
@@ -117,26 +115,22 @@ def _allocate(size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 class _CountingAllGather(_AllGather):  # type: ignore[misc, valid-type]
-    def __init__(self, stats: FSDPCommStats, ledger: CollectiveLedger | None) -> None:
-        self.stats, self.ledger = stats, ledger
+    def __init__(self, stats: FSDPCommStats) -> None:
+        self.stats = stats
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return _allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
-        if self.ledger is not None:
-            self.ledger.before(self, output_tensor, input_tensor, group)
         self.stats._count("all_gather", output_tensor.numel() * output_tensor.element_size())
-        start = self.stats._start(output_tensor.device)
+        start = self.stats.start(output_tensor.device)
         work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        if self.ledger is not None:
-            self.ledger.after()
         return self.stats._timed(work, start, "all_gather")
 
 
 class _CountingReduceScatter(_ReduceScatter):  # type: ignore[misc, valid-type]
-    def __init__(self, stats: FSDPCommStats, ledger: CollectiveLedger | None) -> None:
-        self.stats, self.ledger = stats, ledger
+    def __init__(self, stats: FSDPCommStats) -> None:
+        self.stats = stats
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return _allocate(size, dtype=dtype, device=device)
@@ -144,21 +138,17 @@ class _CountingReduceScatter(_ReduceScatter):  # type: ignore[misc, valid-type]
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
     ):
-        if self.ledger is not None:
-            self.ledger.before(self, output_tensor, input_tensor, group, op)
         self.stats._count("reduce_scatter", input_tensor.numel() * input_tensor.element_size())
-        start = self.stats._start(input_tensor.device)
+        start = self.stats.start(input_tensor.device)
         work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        if self.ledger is not None:
-            self.ledger.after()
         return self.stats._timed(work, start, "reduce_scatter")
 
 
-def install_counting_comms(model: nn.Module, stats: FSDPCommStats, ledger: CollectiveLedger | None = None) -> int:
-    """Route every FSDP module's collectives of ``model`` through counting ones (and ``ledger``); how many modules."""
+def install_counting_comms(model: nn.Module, stats: FSDPCommStats) -> int:
+    """Route every FSDP module's collectives of ``model`` through counting ones; how many modules."""
     from torch.distributed.fsdp import FSDPModule
 
-    all_gather, reduce_scatter = _CountingAllGather(stats, ledger), _CountingReduceScatter(stats, ledger)
+    all_gather, reduce_scatter = _CountingAllGather(stats), _CountingReduceScatter(stats)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for module in modules:
         module.set_custom_all_gather(all_gather)

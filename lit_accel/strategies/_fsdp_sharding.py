@@ -64,30 +64,34 @@ def find_blocks(owner: str, model: nn.Module, policy: ShardPolicy, arg: str = "s
     Raises:
         ValueError: a class policy that matches no module of ``model``.
     """
-    if policy == "auto":
-        cls = _repeated_class(model)
-        selected: Callable[[nn.Module], bool] = (lambda m: isinstance(m, cls)) if cls else (lambda m: False)
-    elif isinstance(policy, (type, tuple)):
-        classes = policy if isinstance(policy, tuple) else (policy,)
-        selected = lambda m: isinstance(m, classes)  # noqa: E731
-        if not any(selected(m) for m in model.modules() if m is not model):
-            found = _repeated_class(model)
-            hint = f" (its repeated block is {found.__name__})" if found else ""
-            names = ", ".join(c.__name__ for c in classes)
-            raise ValueError(
-                f"{owner}({arg}={names}): the model has no such module{hint}. Fix: pass one of the model's module"
-                " classes, or 'auto'."
-            )
-    elif isinstance(policy, int):
+    if isinstance(policy, int) and not isinstance(policy, bool):
         return _by_size(model, policy)
-    else:
-        selected = policy  # type: ignore[assignment]
+    selected = _selector(owner, model, policy, arg)
     blocks, taken = [], set()
     for module in model.modules():
         if module is not model and selected(module) and not any(id(p) in taken for p in module.parameters()):
             blocks.append(module)
             taken.update(id(p) for p in module.parameters())
     return blocks
+
+
+def _selector(owner: str, model: nn.Module, policy: ShardPolicy, arg: str) -> Callable[[nn.Module], bool]:
+    """Whether a module is a block, by ``policy`` ("auto", a class or classes, or a callable)."""
+    if policy == "auto":
+        cls = _repeated_class(model)
+        return (lambda m: isinstance(m, cls)) if cls else (lambda m: False)
+    if not isinstance(policy, (type, tuple)):
+        return policy  # type: ignore[return-value]
+    classes = policy if isinstance(policy, tuple) else (policy,)
+    if not any(isinstance(m, classes) for m in model.modules() if m is not model):
+        found = _repeated_class(model)
+        hint = f" (its repeated block is {found.__name__})" if found else ""
+        names = ", ".join(c.__name__ for c in classes)
+        raise ValueError(
+            f"{owner}({arg}={names}): the model has no such module{hint}. Fix: pass one of the model's module"
+            " classes, or 'auto'."
+        )
+    return lambda m: isinstance(m, classes)
 
 
 def _by_size(model: nn.Module, min_params: int) -> list[nn.Module]:

@@ -1,67 +1,60 @@
-"""``MicroBatching``: each loaded batch split into micro-batches, and (``"auto"``) the largest that fits in memory.
+"""``MicroBatching``: each loaded batch run as micro-batches of the plan's size; ``"auto"`` finds that size first.
 
 The global batch fixes what an optimizer step sees, so the micro-batch is free to change without changing the
 training: a loaded batch of ``n`` samples runs as chunks of ``size`` along dim 0, each loss weighted by its share of
 the ``n`` samples, gradients kept local on every chunk but the last (whose backward Lightning runs, synchronised).
-
-``"auto"`` starts with the whole loaded batch and halves on an out-of-memory error (CUDA ``OutOfMemoryError``, the CPU
-allocator's failure). An attempt that failed anywhere is discarded on every rank (gradients dropped) and redone with
-half the size: no sample is lost or counted twice, and no rank is ever left waiting in a collective:
-
-- AccelDDP (no collective in forward): while a size is unproven (the first step, and the step after each change)
-  every chunk's backward stays local, the ranks agree on the outcome with one all-reduce, and only then are the
-  gradients averaged (one explicit all-reduce). Once proven, the last chunk's backward reduces as usual, after one
-  agree all-reduce that follows its forward.
-- AccelFSDP (all-gathers in forward, reduce-scatters in backward): the attempt runs every backward itself, the last
-  chunk's reduce-scattering, and its collectives are kept in step by a ``CollectiveLedger``
-  (``strategies/_fsdp_recovery.py``); the ranks agree after the backward.
+``"auto"`` chooses the size on the first loaded batch of a fit (``_micro_batch_search``), before the first optimizer
+step, and keeps it; an out-of-memory error later ends the job with a message naming the next smaller size.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lit_accel.strategies import _micro_batch_search as search
+from lit_accel.utilities._memory import PeakMemory, available_bytes, optimizer_state_bytes
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from torch import Tensor
+    from torch.optim import Optimizer
 
-__all__ = [
-    "MicroBatchChange",
-    "MicroBatching",
-    "PeerOutOfMemory",
-    "all_reduce_mean_",
-    "any_rank",
-    "is_out_of_memory",
-    "split_batch",
-]
-
-_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: one flat copy of at most this much at a time
+__all__ = ["MicroBatchHost", "MicroBatching", "split_batch"]
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate memory", or a ``MemoryError`` (bad_alloc)."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+@runtime_checkable
+class MicroBatchHost(Protocol):
+    """What micro-batching needs from a strategy: Lightning's public members and two of lit_accel's."""
 
+    @property
+    def model(self) -> torch.nn.Module | None: ...
 
-class PeerOutOfMemory(RuntimeError):
-    """Another rank ran out of memory in this attempt (raised on the others at the same collective)."""
+    @property
+    def lightning_module(self) -> pl.LightningModule | None: ...
 
+    @property
+    def root_device(self) -> torch.device: ...
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank: one 1-element all-reduce and one host read."""
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    @property
+    def optimizers(self) -> list[Optimizer]: ...
+
+    def block_backward_sync(self) -> AbstractContextManager[None]:
+        """Gradients kept local in the backward run inside (Lightning's accumulation context)."""
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward through the precision plugin."""
+
+    def gradient_sync(self) -> AbstractContextManager[None]:
+        """Gradients reduced in the backward run inside, even within Lightning's accumulation window."""
+
+    def forward_collective(self) -> str | None:
+        """What makes a collective in the model's forward (``"auto"`` then measures instead of attempting), or None."""
 
 
 def batch_length(batch: Any) -> int:
@@ -97,164 +90,132 @@ def split_batch(batch: Any, start: int, stop: int) -> Any:
     return batch
 
 
-@dataclass(frozen=True)
-class MicroBatchChange:
-    """The micro-batch size changed at an optimizer step (``step`` counts steps attempted so far)."""
-
-    step: int
-    old: int
-    new: int
-
-
 class MicroBatching:
-    """Run a loaded batch as micro-batches of ``size`` (an int), or find and keep the largest that fits (``"auto"``).
+    """Run each loaded batch as micro-batches of ``size`` (an int), or of the size ``"auto"`` finds at the first one.
 
     Args:
         owner: the strategy's class name, for messages.
-        size: an int (fixed) or ``"auto"``.
+        size: an int, or ``"auto"``.
+        chosen: called with the size ``"auto"`` chose (the same on every rank), once per fit.
+        local_ranks: processes on this node, which share its host memory.
     """
 
-    def __init__(self, owner: str, size: int | str) -> None:
+    def __init__(
+        self, owner: str, size: int | str, chosen: Callable[[int], Any] | None = None, local_ranks: int = 1
+    ) -> None:
         self.owner = owner
         self.auto = size == "auto"
-        self.size: int | None = None if self.auto else int(size)  # type: ignore[arg-type]
-        #: Every change of the size, in order.
-        self.changes: list[MicroBatchChange] = []
-        self._proven = not self.auto
+        #: The micro-batch in use (``None`` until ``"auto"`` chose it).
+        self.size: int | None = None if self.auto else int(size)
+        self._chosen, self._local_ranks = chosen, local_ranks
         self._held: list[tuple[Tensor, Tensor]] = []
-        self._statistics: _Statistics | None = None
+        self._trying: int | None = None  # the size the search is running
 
-    def new_fit(self) -> None:
-        """A further fit (maybe of another model) keeps the size found, and forgets the model's BatchNorm layers."""
-        self._statistics = None
-
-    def run(self, strategy: Any, step: Callable[..., Any], batch: Any, args: tuple, kwargs: dict) -> Any:
-        """``strategy.training_step`` for one loaded batch: every forward and backward but AccelDDP's last backward."""
+    def run(
+        self, host: MicroBatchHost, step: Callable[..., Any], accumulation: int, batch: Any, *args: Any, **kw: Any
+    ) -> Any:
+        """``training_step`` for one loaded batch: every forward and backward but the last chunk's backward."""
         n = batch_length(batch)
-        if self.size is None:
-            self.size = n  # "auto" starts with the whole loaded batch
-        accumulation = strategy._attached_trainer.accumulate_grad_batches
         # Lightning zeroes the gradients between a window's first training_step and its backward, so the chunks'
         # backward starts from none and their gradients are held over that zero_grad (``restore_gradients``); the
         # earlier ones go back for Lightning to zero or keep, as it would without micro-batches.
-        earlier = _take_gradients(strategy.model)
-        ledger = strategy._collective_ledger() if self.auto else None
-        if self.auto:
-            if self._statistics is None:
-                self._statistics = _Statistics(strategy.lightning_module)
-            self._statistics.save()  # a discarded attempt's forward must not move the running statistics
-        while True:
-            size = min(self.size, n)
-            bounds = [(i, min(i + size, n)) for i in range(0, n, size)]
-            proven = self._proven
-            lightning_last = proven and ledger is None  # else every backward runs here
-            if ledger is not None:
-                ledger.begin(len(bounds), strategy.root_device)
-            failure = None  # "own" (this rank ran out of memory) or "peer" (another did; FSDP's guarded attempts)
-            try:
-                output = self._attempt(
-                    strategy, step, batch, bounds, n, accumulation, lightning_last, ledger is not None, args, kwargs
-                )
-            except Exception as err:
-                failure = "peer" if isinstance(err, PeerOutOfMemory) else "own" if is_out_of_memory(err) else None
-                if not self.auto or failure is None:
-                    if ledger is not None:
-                        ledger.finish(succeeded=False)
-                    _put_gradients(earlier)
-                    raise
-                output = None
-            if self.auto:
-                if ledger is not None and failure is not None:
-                    gc.collect()  # the failed attempt's activations, held by the exception's frames until now
-                    ledger.reset()
-                    if failure == "own":
-                        ledger.complete_for_peers()
-                failed = failure == "peer" or any_rank(failure is not None, strategy.root_device)
-                if ledger is not None:
-                    ledger.finish(succeeded=not failed)
-                if failed:
-                    assert self._statistics is not None
-                    self._statistics.restore()
-                    self._shrink(strategy)
-                    continue
-            if not lightning_last and self.auto:
-                if ledger is None:
-                    self._average(strategy)
-                self._proven = True
-                output = _replace_loss(output, _loss_of(output).detach().requires_grad_())  # Lightning's: no-op
-            elif self.auto:
-                strategy._prepare_backward_sync(output)  # every rank got here: the last backward may reduce
-            self._held = _take_gradients(strategy.model)
-            _put_gradients(earlier)
-            return output
-
-    def _average(self, strategy: Any) -> None:
+        earlier = _take_gradients(host)
         try:
-            strategy._average_gradients()  # the backward of every chunk stayed local
+            if self.size is None:
+                self.size = self._search(host, step, batch, n, args, kw)
+                if self._chosen is not None:
+                    self._chosen(self.size)
+            output = self._split(host, step, batch, n, accumulation, args, kw)
         except Exception as err:
-            if not is_out_of_memory(err):
-                raise
-            raise RuntimeError(
-                f"{type(strategy).__name__}(micro_batch_size='auto'): out of memory averaging the gradients (one"
-                f" bucket of at most {_BUCKET_BYTES // 2**20} MB at a time), which no micro-batch size changes. Fix:"
-                " more memory per device, or AccelFSDP, which shards the gradients."
-            ) from err
+            _put_gradients(earlier)
+            size = self.size if self.size is not None else self._trying  # (a measured run of the search)
+            if search.is_out_of_memory(err) and size is not None:
+                raise RuntimeError(out_of_memory_message(self.owner, size)) from err
+            raise
+        self._held = _take_gradients(host)
+        _put_gradients(earlier)
+        return output
 
     def restore_gradients(self) -> None:
         """Add back the micro-batches' gradients held over Lightning's ``zero_grad`` (a no-op when none are held)."""
         _put_gradients(self._held)
         self._held = []
 
-    def _attempt(
-        self, strategy: Any, step: Callable[..., Any], batch: Any, bounds: list, n: int, accumulation: int,
-        lightning_last: bool, reduce_last: bool, args: tuple, kwargs: dict,
+    def _split(
+        self, host: MicroBatchHost, step: Callable[..., Any], batch: Any, n: int, accumulation: int, args: tuple,
+        kwargs: dict,
     ) -> Any:  # fmt: skip
-        last = len(bounds) - 1
+        assert self.size is not None
+        bounds = [(i, min(i + self.size, n)) for i in range(0, n, self.size)]
         total = None
-        for i, (start, stop) in enumerate(bounds):
+        for start, stop in bounds[:-1]:
             weight = (stop - start) / n
-            if i == last and lightning_last:  # Lightning runs this chunk's backward, synchronised
-                if self.auto:  # a forward free of collectives, so a failure is agreed on first (prepared in run)
-                    with strategy.block_backward_sync():
-                        output = step(split_batch(batch, start, stop), *args, **kwargs)
-                else:
-                    output = step(split_batch(batch, start, stop), *args, **kwargs)
-                loss = _loss_of(output)
-                # the gradient of the last chunk's share; the value (for logging) of the whole loaded batch
-                return _replace_loss(output, loss * weight if total is None else loss * weight + total)
-            # AccelFSDP's "auto": the last chunk reduce-scatters here, even inside Lightning's accumulation window, so
-            # that a failed attempt leaves no partial gradient inside FSDP (earlier loaded batches' are sharded).
-            with strategy._reduce_in_attempt() if i == last and reduce_last else strategy.block_backward_sync():
+            with host.block_backward_sync():
                 output = step(split_batch(batch, start, stop), *args, **kwargs)
                 loss = _loss_of(output)
                 # Lightning divides the loss it backpropagates by the accumulation: these chunks get the same.
-                strategy.backward(loss * (weight / accumulation), None)
+                host.backward(loss * (weight / accumulation), None)
             total = loss.detach() * weight if total is None else total + loss.detach() * weight
-            if i < last:
-                del output, loss
-        return _replace_loss(output, total)
+            del output, loss
+        start, stop = bounds[-1]
+        output = step(split_batch(batch, start, stop), *args, **kwargs)  # Lightning runs this chunk's backward
+        loss, weight = _loss_of(output), (stop - start) / n
+        # the gradient of the last chunk's share; the value (for logging) of the whole loaded batch
+        return _replace_loss(output, loss * weight if total is None else loss * weight + total)
 
-    def _shrink(self, strategy: Any) -> None:
-        strategy._discard_gradients()
-        gc.collect()
-        if strategy.root_device.type == "cuda":
-            torch.cuda.empty_cache()
-        assert self.size is not None
-        old = self.size
-        if old <= 1:
-            raise RuntimeError(
-                f"{self.owner}(micro_batch_size='auto'): a single sample per micro-batch does not fit in memory. Fix:"
-                " a smaller model or input, activation checkpointing or sharding (AccelFSDP), or more memory."
+    def _search(
+        self, host: MicroBatchHost, step: Callable[..., Any], batch: Any, n: int, args: tuple, kwargs: dict
+    ) -> int:  # fmt: skip
+        module, device = host.lightning_module, host.root_device
+        assert module is not None
+        statistics = _Statistics(module)  # the attempts' and probes' forwards must not move running statistics
+
+        def run(size: int, measuring: bool = False) -> None:
+            self._trying = size
+            bounds = [(start, min(start + size, n)) for start in range(0, n, size)]
+            if measuring:  # a local chunk and a reducing one hold what every chunk of the training holds
+                bounds = bounds[:2]
+            for i, (start, stop) in enumerate(bounds):
+                last = measuring and i == len(bounds) - 1  # reduces, as Lightning's backward of it will
+                with host.gradient_sync() if last else host.block_backward_sync():
+                    output = step(split_batch(batch, start, stop), *args, **kwargs)
+                    host.backward(_loss_of(output) * ((stop - start) / n), None)
+                del output
+
+        def cleanup() -> None:
+            _drop_gradients(host)
+            statistics.restore()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        reserve = optimizer_state_bytes(host.optimizers)  # allocated by the first step, held from then on
+        collective = host.forward_collective()
+        free = available_bytes(device, self._local_ranks)
+        if collective is None:  # attempts without any collective: an out-of-memory error is caught safely
+            # They skip the synchronised backward, which stages the gradients (DDP also rebuilds its buckets at the
+            # second step): room for one more copy of them.
+            grads = sum(p.numel() * p.element_size() for p in _parameters(host) if p.requires_grad)
+            return search.by_attempts(run, cleanup, n, device, self.owner, free, reserve + grads)
+        if free is None or not PeakMemory.supported(device):
+            raise ValueError(
+                f"{self.owner}(micro_batch_size='auto') must measure memory here ({collective} makes collectives in"
+                f" forward), which it cannot do on {device}. Fix: pass an int micro_batch_size."
             )
-        self.size = (old + 1) // 2
-        step = strategy._attached_trainer.global_step
-        self.changes.append(MicroBatchChange(step, old, self.size))
-        self._proven = False
-        rank_zero_info(f"{self.owner}: out of memory at optimizer step {step}; micro-batch {old} -> {self.size}.")
+        measured = functools.partial(run, measuring=True)
+        smallest = 2 if statistics.buffers else 1  # BatchNorm needs two samples
+        return search.by_measurement(measured, cleanup, n, device, self.owner, free, reserve, smallest)
+
+
+def out_of_memory_message(owner: str, size: int) -> str:
+    """The one message of an out-of-memory error during training with micro-batches of ``size``."""
+    smaller = (size + 1) // 2
+    fix = f"micro_batch_size={smaller}" if size > 1 else "a smaller model or input, or more memory per device"
+    return f"{owner}: out of memory in a micro-batch of {size} samples. Fix: {fix}."
 
 
 class _Statistics:
-    """The running statistics of a model's BatchNorm layers, saved before each loaded batch (one foreach copy)."""
+    """The running statistics of a model's BatchNorm layers, saved at construction, restored on demand."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         from torch.nn.modules.batchnorm import _BatchNorm
@@ -264,36 +225,23 @@ class _Statistics:
         self.buffers = [b for m in layers for b in (getattr(m, n) for n in names) if isinstance(b, torch.Tensor)]
         self.saved = [b.detach().clone() for b in self.buffers]
 
-    def save(self) -> None:
-        if self.buffers:
-            torch._foreach_copy_(self.saved, self.buffers)
-
     def restore(self) -> None:
-        if self.buffers:
-            torch._foreach_copy_(self.buffers, self.saved)
+        with torch.no_grad():
+            for buffer, saved in zip(self.buffers, self.saved):
+                buffer.copy_(saved)
 
 
-def all_reduce_mean_(grads: list[Tensor], group: Any = None) -> None:
-    """Average ``grads`` over the ranks of ``group`` in place: one all-reduce per bucket of one dtype."""
-    world = dist.get_world_size(group)
-    buckets: list[list[Tensor]] = []
-    for grad in grads:
-        last = buckets[-1] if buckets else None
-        fits = last is not None and last[0].dtype == grad.dtype
-        if not fits or sum(g.numel() * g.element_size() for g in last) >= _BUCKET_BYTES:  # type: ignore[union-attr]
-            buckets.append([grad])
-        else:
-            last.append(grad)  # type: ignore[union-attr]
-    for bucket in buckets:
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-            grad.copy_(part.view_as(grad))
+def _parameters(host: MicroBatchHost) -> list[torch.nn.Parameter]:
+    return [] if host.model is None else list(host.model.parameters())
 
 
-def _take_gradients(model: torch.nn.Module) -> list[tuple[Tensor, Tensor]]:
-    taken = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+def _drop_gradients(host: MicroBatchHost) -> None:
+    for param in _parameters(host):
+        param.grad = None
+
+
+def _take_gradients(host: MicroBatchHost) -> list[tuple[Tensor, Tensor]]:
+    taken = [(p, p.grad) for p in _parameters(host) if p.grad is not None]
     for param, _ in taken:
         param.grad = None
     return taken  # type: ignore[return-value]

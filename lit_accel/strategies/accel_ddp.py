@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies._backend import backend_for_device, check_backend_spec
-from lit_accel.strategies._comm_stats import DDPLoggingCommStats, HookCommStats
+from lit_accel.strategies._comm_stats import HookCommStats
 from lit_accel.strategies._ddp_hooks import CommHook, CommHookName, counting_comm_hook, resolve_comm_hook, validate_comm
-from lit_accel.strategies._micro_batches import all_reduce_mean_
-from lit_accel.strategies.parts import AccelParts
-from lit_accel.utilities._compat import DDP_DEFAULT_LOGGING_SAMPLE_RATE, set_ddp_logging_sample_rate
+from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.utilities._validation import check_bool, check_choice, check_number
 from lit_accel.utilities._workarounds import check_static_graph_accumulation
 
@@ -30,6 +28,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
+    from torch.optim import Optimizer
 
     from lit_accel.protocols import CommStats
 
@@ -47,16 +46,17 @@ _START_METHODS = {
 _ALIASES = {"ddp_comm_state": "comm_state", "ddp_comm_hook": "comm_hook", "ddp_comm_wrapper": "comm_wrapper"}
 
 
-class AccelDDP(AccelParts, DDPStrategy):
+@serves_parts_attributes
+class AccelDDP(DDPStrategy):
     """DDP with SyncBatchNorm on every backend, comm hooks on every backend (counted), and the global-batch rule.
 
     A drop-in for ``DDPStrategy``: the same positional and keyword arguments (``ddp_comm_hook``/``ddp_comm_state``/
     ``ddp_comm_wrapper`` are aliases of ``comm_hook``/``comm_state``/``comm_wrapper``; post-local SGD works with
     ``model_averaging_period``), extra keyword arguments go to ``DistributedDataParallel``. On top: with
-    ``global_batch_size`` the accumulation is set at fit start to ``global / (micro-batch x world size)``, non-final
-    micro-batches skip the all-reduce, and an epoch's last, partial window is averaged over the micro-batches it had
-    (Lightning #19987). ``comm_stats`` counts the all-reduces for the ``EfficiencyMonitor`` at no per-step cost.
-    Behaviour in detail (BatchNorm with accumulation, counters, failures): ``docs/strategies.md``.
+    ``global_batch_size`` the accumulation is planned at setup, before ``configure_optimizers``, as
+    ``global / (loaded batch x world size)`` (:attr:`batch_plan`); non-final batches of a window skip the all-reduce,
+    and an epoch's last, partial window is averaged over the batches it had (Lightning #19987). ``comm_stats`` counts
+    every all-reduce for the ``EfficiencyMonitor`` without a host sync. Behaviour in detail: ``docs/strategies.md``.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
@@ -66,15 +66,15 @@ class AccelDDP(AccelParts, DDPStrategy):
             ``None`` picks nccl on CUDA, gloo on CPU.
         timeout: collective timeout. start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         global_batch_size: samples per optimizer step over all devices (sets ``accumulate_grad_batches``).
-        micro_batch_size: per-device micro-batch: the loader's batch size (known at setup), a smaller int that splits
-            each loaded batch into chunks, or ``"auto"``: the largest that fits in memory (docs/strategies.md).
+        micro_batch_size: an int that splits each loaded batch into chunks of that size (it never changes the
+            accumulation), or ``"auto"``: the largest that fits in memory, found before the first step.
         partial_window: ``"mean"`` (exact) or ``"lightning"`` (Lightning's division by the full count).
         sync_batchnorm: ``True``, ``False`` or an :class:`~lit_accel.AccelSyncBatchNorm` (e.g. ``group_size=8``).
         hang_timeout: seconds without progress before the :class:`~lit_accel.HangWatchdog` it adds ends the job;
             ``None``: the watchdog only reports a stall (after 300 s, once per stall) and never ends the job.
         compile: ``True`` or ``torch.compile``'s arguments: each block compiled before DDP wraps the model.
-        comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, a callable ``hook(state, bucket)``, or ``None`` (DDP's own
-            all-reduce, no Python hook: the fastest).
+        comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, a callable ``hook(state, bucket)``, or ``None`` (torch's
+            all-reduce hook); whichever it is, a counting wrapper counts and times every bucket.
         comm_state: the hook's state (a ``PowerSGDState``, ``PostLocalSGDState``, ...; default: DDP's group).
         comm_wrapper: a hook wrapper such as ``default_hooks.fp16_compress_wrapper``.
         gradient_as_bucket_view: let gradients alias DDP's buckets (one gradient-sized copy less; torch's default: no).
@@ -88,8 +88,6 @@ class AccelDDP(AccelParts, DDPStrategy):
 
         trainer = Trainer(accelerator="gpu", devices=4, strategy=AccelDDP(global_batch_size=1024, comm_hook="bf16"))
     """
-
-    registry_names = _START_METHODS
 
     def __init__(
         self,
@@ -144,27 +142,22 @@ class AccelDDP(AccelParts, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_parts(
+        #: The strategy-independent parts, called from this strategy's hooks below.
+        self.parts = AccelParts(
             name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout, compile
         )
         self._comm_hook, self._comm_state, self._comm_wrapper = hook, state, wrapper
-        self._comm_stats: HookCommStats | DDPLoggingCommStats = (
-            HookCommStats() if hook is not None else DDPLoggingCommStats()
-        )
-        self._reducer_prepared = False  # the last DDP forward prepared the reducer for an all-reduce round
+        self._comm_stats = HookCommStats()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(cls, _START_METHODS, strategy_registry)
 
     @property
     def comm_stats(self) -> CommStats:
-        """All-reduce counters for the ``EfficiencyMonitor``: counted by the hook wrapper, or from DDP's logging."""
+        """All-reduce counters for the ``EfficiencyMonitor``: every bucket, counted and timed by the comm hook."""
         return self._comm_stats
-
-    @property
-    def _round_counter(self) -> DDPLoggingCommStats | None:
-        return self._comm_stats if isinstance(self._comm_stats, DDPLoggingCommStats) else None
-
-    @override
-    def _check_accumulation(self, accumulation: int) -> None:
-        check_static_graph_accumulation(type(self).__name__, bool(self._ddp_kwargs.get("static_graph")), accumulation)
 
     @override
     def setup_environment(self) -> None:
@@ -173,110 +166,73 @@ class AccelDDP(AccelParts, DDPStrategy):
         super().setup_environment()
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.parts.setup(self, trainer, data_parallel_size=self.world_size)  # before configure_optimizers
+        static_graph = bool(self._ddp_kwargs.get("static_graph"))
+        check_static_graph_accumulation(type(self).__name__, static_graph, trainer.accumulate_grad_batches)
+        super().setup(trainer)
+
+    @override
     def configure_ddp(self) -> None:
         assert self.model is not None
-        self._compile_blocks(self.model)  # before DDP wraps it: its gradient hooks stay outside the graphs
+        self.parts.compile_blocks(type(self).__name__, self.model)  # before DDP wraps it: hooks outside the graphs
         super().configure_ddp()  # wraps the model; registers no hook, since DDPStrategy's ddp_comm_hook is None
         assert isinstance(self.model, DistributedDataParallel)
-        counter = self._round_counter
-        if counter is not None:
-            counter.attach(self.model)
-            set_ddp_logging_sample_rate(self.model, self._ddp_logging_sample_rate())
-            return
         hook, state, kind = resolve_comm_hook(
             self._comm_hook, self._comm_state, self._comm_wrapper, self.model.process_group
         )
-        assert isinstance(self._comm_stats, HookCommStats)
         # Registered on every backend: DDPStrategy only does it on CUDA (see _workarounds, "comm_hooks_on_cpu").
         self.model.register_comm_hook(state, counting_comm_hook(hook, kind, self._comm_stats))
 
-    def _ddp_logging_sample_rate(self) -> int:
-        # DDP samples iterations 1-10, then every rate-th. On CPU a sample is a few clock reads: every iteration. On
-        # CUDA the next synchronised forward waits for a sample's events: every log_every_n_steps iterations puts
-        # that wait right after a logging step, where the EfficiencyMonitor has synchronised already.
-        if self.root_device.type == "cpu":
-            return 1
-        trainer = self._attached_trainer
-        every = trainer.log_every_n_steps if trainer is not None else 0
-        return every if every > 0 else DDP_DEFAULT_LOGGING_SAMPLE_RATE
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._round_counter is not None:
-            model, module = self.model, self.lightning_module
-            # In automatic optimization DDP's forward prepares its reducer for one all-reduce round when grad is
-            # enabled outside no_sync(); in manual optimization Lightning keeps the forward from preparing it.
-            self._reducer_prepared = (
-                isinstance(model, DistributedDataParallel)
-                and module is not None
-                and module.automatic_optimization
-                and model.require_backward_grad_sync
-                and torch.is_grad_enabled()
-            )
-        return super().training_step(*args, **kwargs)
+        return self.parts.training_step(self, super().training_step, *args, **kwargs)
 
     @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        super().post_backward(closure_loss)
-        counter = self._round_counter
-        if counter is None:
-            return
-        # A backward reduces every bucket once when the reducer was prepared for it: by the forward in automatic
-        # optimization, by DDPStrategy.pre_backward before every manual_backward outside no_sync() in manual one.
-        model, module = self.model, self.lightning_module
-        syncing = isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync
-        if not self._reducer_prepared:
-            manual = module is not None and not module.automatic_optimization
-            self._reducer_prepared = manual and syncing
-        if self._reducer_prepared and syncing:  # a micro-batch's local backward (no_sync) is no round
-            counter.add_round()
-            self._reducer_prepared = False
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        return self.parts.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
-    def _check_micro_batching(self, auto: bool) -> None:
-        if not auto:
-            return
-        # Recovering from out-of-memory needs forwards without collectives: a rank out of memory there would leave
-        # its peers waiting in SyncBatchNorm's all-reduce or DDP's buffer broadcast.
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return self.parts.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        self.parts.loops_restored()
+
+    def forward_collective(self) -> str | None:
+        """What makes a collective in the model's forward (SyncBatchNorm, DDP's buffer broadcast), or None."""
         module = self.lightning_module
         broadcasts = self._ddp_kwargs.get("broadcast_buffers") is not False and any(True for _ in module.buffers())
-        what = self._forward_collective() or ("DDP's buffer broadcast" if broadcasts else None)
-        if what is not None:
-            raise ValueError(
-                f"{type(self).__name__}(micro_batch_size='auto') cannot recover from out-of-memory here: {what} makes"
-                " a collective in every forward. Fix: pass an int micro_batch_size, or sync_batchnorm=False and"
-                " broadcast_buffers=False."
-            )
+        return self.parts.forward_collective(self) or ("DDP's buffer broadcast" if broadcasts else None)
 
-    @override
-    def _prepare_backward_sync(self, output: Any) -> None:
-        # Lightning's manual-optimization path: the forward ran under no_sync, the reducer is prepared now.
-        assert isinstance(self.model, DistributedDataParallel)
-        prepare_for_backward(self.model, output)
-        self._reducer_prepared = self.model.require_backward_grad_sync
-
-    @override
-    def _average_gradients(self) -> None:
-        # The unproven micro-batch size ran every backward locally (no_sync): one explicit all-reduce mean instead.
-        assert isinstance(self.model, DistributedDataParallel)
-        all_reduce_mean_([p.grad for p in self.model.parameters() if p.grad is not None], self.model.process_group)
-        if self._round_counter is not None:
-            self._round_counter.add_round()
-        self._reducer_prepared = False  # Lightning's backward of the detached loss reduces nothing
+    @contextmanager
+    def gradient_sync(self) -> Generator[None, None, None]:
+        """The backward run inside all-reduces, even within Lightning's accumulation window (DDP's no_sync undone)."""
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)
+        # the inverse of DDP's no_sync(): its next forward prepares the reducer, and the backward all-reduces
+        previous, model.require_backward_grad_sync = model.require_backward_grad_sync, True
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync = previous
 
     @override
     def teardown(self) -> None:
-        trainer = self._attached_trainer
-        if (
-            trainer is not None
-            and trainer.accumulate_grad_batches > 1
-            and isinstance(self.model, DistributedDataParallel)
-        ):
+        self.parts.teardown()
+        trainer = self.parts.trainer
+        accumulating = trainer is not None and trainer.accumulate_grad_batches > 1
+        if accumulating and isinstance(self.model, DistributedDataParallel):
             # Unwrap here so DDPStrategy.teardown skips its "pass static_graph=True" hint, refused with accumulation.
             self.model = self.lightning_module
-        if self._round_counter is not None:
-            self._round_counter.detach()  # keeps the totals, drops the DDP model (and its buckets)
         super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self.parts.explain_failure(self, exception)
 
 
 def _merge_aliases(owner: str, lightning: dict[str, Any], ours: dict[str, Any]) -> tuple[Any, Any, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -18,8 +18,7 @@ from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies._backend import check_backend_spec, resolve_backend
 from lit_accel.strategies._fsdp_comm import FSDPCommStats, install_counting_comms
-from lit_accel.strategies._fsdp_recovery import CollectiveLedger
-from lit_accel.strategies.parts import AccelParts
+from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.utilities import _compat
 from lit_accel.utilities._validation import check_bool, check_choice
 
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.types import STEP_OUTPUT
     from torch import Tensor
+    from torch.optim import Optimizer
 
     from lit_accel.protocols import CommStats
 
@@ -76,7 +76,8 @@ class _RootCalls(ModelParallelStrategy):
         return self._step(self.precision_plugin.predict_step_context, "predict_step", args, kwargs)
 
 
-class AccelFSDP(AccelParts, _RootCalls):
+@serves_parts_attributes
+class AccelFSDP(_RootCalls):
     """Fully sharded data parallel (FSDP2, ZeRO-3) with the global batch, exact windows, SyncBN and counted comms.
 
     Parameters, gradients and optimizer state are sharded over all ranks (``fully_shard`` on each block of the
@@ -110,8 +111,6 @@ class AccelFSDP(AccelParts, _RootCalls):
         trainer = Trainer(accelerator="gpu", devices=8, strategy=AccelFSDP(global_batch_size=1024),
                           plugins=[AccelPrecision("bf16-mixed")])
     """
-
-    registry_names = _START_METHODS
 
     def __init__(
         self,
@@ -157,7 +156,8 @@ class AccelFSDP(AccelParts, _RootCalls):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_parts(
+        #: The strategy-independent parts, called from this strategy's hooks below.
+        self.parts = AccelParts(
             name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout, compile
         )
         self._start_method = start_method
@@ -168,12 +168,15 @@ class AccelFSDP(AccelParts, _RootCalls):
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
         self._comm_stats = FSDPCommStats()
-        self._ledger = CollectiveLedger(name) if micro_batch_size == "auto" else None
         self._sync_blocked = False
-        self._reduced_in_attempt = False
         self._fsdp_roots: list[Any] = []  # the outermost FSDP modules, whose gradient sync accumulation switches off
         #: The modules ``fully_shard`` was applied to by this strategy (empty when ``configure_model`` sharded).
         self.sharded_modules: list[torch.nn.Module] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(cls, _START_METHODS, strategy_registry)
 
     @property
     def comm_stats(self) -> CommStats:
@@ -210,32 +213,27 @@ class AccelFSDP(AccelParts, _RootCalls):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Lightning's ModelParallelStrategy.setup, with SyncBN and automatic sharding when the model has none."""
+        self.parts.setup(self, trainer, data_parallel_size=self.world_size)  # before configure_optimizers
+        layer_sync = _compat.get_layer_sync(self)
+        if trainer.state.fn == TrainerFn.FITTING and layer_sync is not None:
+            self.model = layer_sync.apply(self.model)  # before sharding: FSDP keeps the converted layers
+        _compat.materialize_distributed_module(self.model, self.root_device)
+        # ModelParallelStrategy.setup is Strategy.setup's template plus the demand that configure_model shard the
+        # module; this strategy shards a module that did not itself, in _setup_model below, so it runs the template.
+        super(ModelParallelStrategy, self).setup(trainer)
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-        self._setup_parts(trainer)
-        assert self.model is not None and self.accelerator is not None
-        self.accelerator.setup(trainer)
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise TypeError(f"{type(self).__name__} shards with FSDP2; the model holds FSDP1 wrappers. Fix: drop them.")
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync is not None:
-            self.model = self._layer_sync.apply(self.model)
-        _compat.materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            self._shard(self.model)
-        install_counting_comms(self.model, self._comm_stats, self._ledger)
-        self._fsdp_roots = self._top_fsdp_modules()
-        if self._ledger is not None:
-            self._ledger.attach(self._fsdp_roots)  # a new fit may shard another model: nothing recorded is kept
+        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+            self._shard(model)
+        install_counting_comms(model, self._comm_stats)
+        self._fsdp_roots = _top_fsdp_modules(model)
         self.barrier()
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
+        return model
 
     def _shard(self, model: torch.nn.Module) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -250,7 +248,7 @@ class AccelFSDP(AccelParts, _RootCalls):
         precision = self.precision_plugin
         param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
         pin = self.root_device.type == "cuda"  # pinned host memory needs a CUDA driver
-        self._compile_blocks(model, blocks)  # per block, before fully_shard (torchtitan's order)
+        self.parts.compile_blocks(name, model, blocks)  # per block, before fully_shard (torchtitan's order)
         sharding.shard_model(
             model,
             self.device_mesh["data_parallel"],  # 1-D: a 2-D mesh would make fully_shard replicate (HSDP)
@@ -270,13 +268,9 @@ class AccelFSDP(AccelParts, _RootCalls):
         with self._gradient_sync(False):
             yield
 
-    @contextmanager
-    @override
-    def _reduce_in_attempt(self) -> Generator[None, None, None]:
-        self._reduced_in_attempt = False
-        with self._gradient_sync(True):  # inside Lightning's accumulation window too
-            yield
-        self._reduced_in_attempt = True  # Lightning's backward of the detached loss follows
+    def gradient_sync(self) -> AbstractContextManager[None]:
+        """The backward run inside reduce-scatters, even within Lightning's accumulation window."""
+        return self._gradient_sync(True)
 
     @contextmanager
     def _gradient_sync(self, on: bool) -> Generator[None, None, None]:
@@ -294,61 +288,56 @@ class AccelFSDP(AccelParts, _RootCalls):
             for module in self._fsdp_roots:
                 module.set_requires_gradient_sync(not on)
 
-    @override
-    def _collective_ledger(self) -> CollectiveLedger | None:
-        return self._ledger
+    def forward_collective(self) -> str | None:
+        """What makes a collective in the model's forward: FSDP's all-gathers, always (``"auto"`` measures)."""
+        return "FSDP's all-gathers"
 
     @override
-    def _check_micro_batching(self, auto: bool) -> None:
-        if not auto:
-            return
-        name, module = type(self).__name__, self.lightning_module
-        # collectives outside FSDP's own all-gathers and reduce-scatters, which the ledger cannot keep in step
-        what = self._forward_collective()
-        if what is None and module is not None and any(_float8_all_gather(m) for m in module.modules()):
-            what = "torchao's float8 all-gather (its scale all-reduce)"
-        if what is not None:
-            raise ValueError(
-                f"{name}(micro_batch_size='auto') cannot recover from out-of-memory here: {what} makes a collective"
-                " in every forward. Fix: pass an int micro_batch_size, or sync_batchnorm=False (float8:"
-                " enable_fsdp_float8_all_gather=False)."
-            )
-        if not _compat.fsdp_can_reset_iteration():
-            raise ValueError(
-                f"{name}(micro_batch_size='auto') needs FSDPModule.reset_iter_state, which torch {torch.__version__}"
-                " lacks. Fix: a newer torch, or an int micro_batch_size."
-            )
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self.parts.training_step(self, super().training_step, *args, **kwargs)
 
-    def _top_fsdp_modules(self) -> list[Any]:
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(self.model, FSDPModule):
-            return [self.model]
-        found: list[Any] = []
-        for module in self.model.modules() if self.model is not None else ():
-            inside = any(module in set(top.modules()) for top in found)
-            if isinstance(module, FSDPModule) and not inside:
-                found.append(module)
-        return found
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        return self.parts.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        reduced_in_attempt, self._reduced_in_attempt = self._reduced_in_attempt, False
-        if not self._sync_blocked and not reduced_in_attempt:  # (that backward was counted; this one reduces nothing)
+        if not self._sync_blocked:
             self._comm_stats.rounds += 1  # this backward reduce-scattered every group
 
     @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return self.parts.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)  # loaded in load_checkpoint; this runs AccelParts' resume fix
+        super().load_optimizer_state_dict(checkpoint)  # loaded in load_checkpoint already
+        self.parts.loops_restored()
 
     @override
     def teardown(self) -> None:
-        if self._layer_sync is not None and self.model is not None:
-            self.model = self._layer_sync.revert(self.model)
+        self.parts.teardown()
+        layer_sync = _compat.get_layer_sync(self)
+        if layer_sync is not None and self.model is not None:
+            self.model = layer_sync.revert(self.model)
         super().teardown()
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self.parts.explain_failure(self, exception)
 
-def _float8_all_gather(module: torch.nn.Module) -> bool:
-    """A torchao Float8Linear whose FSDP all-gather carries float8 weights (it all-reduces their scales first)."""
-    return bool(getattr(getattr(module, "config", None), "enable_fsdp_float8_all_gather", False))
+
+def _top_fsdp_modules(model: torch.nn.Module) -> list[Any]:
+    """The outermost FSDP modules of ``model``, whose gradient sync the accumulation switches."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return [model]
+    found: list[Any] = []
+    for module in model.modules():
+        inside = any(module in set(top.modules()) for top in found)
+        if isinstance(module, FSDPModule) and not inside:
+            found.append(module)
+    return found

@@ -1,79 +1,92 @@
-"""``AccelParts``: the strategy-independent parts of a lit_accel strategy, wired into Lightning's strategy hooks.
+"""``AccelParts``: the strategy-independent parts of a lit_accel strategy, owned by it and called from its own hooks.
 
-A strategy lists it before its Lightning base class (``class AccelDDP(AccelParts, DDPStrategy)``) and calls
-:meth:`AccelParts._init_parts` from its constructor. It then gets, without copying any of it: the global-batch rule
-and the exact partial window (:class:`~lit_accel.strategies._global_batch.GlobalBatch`), SyncBatchNorm on every
-backend (:class:`~lit_accel.strategies._batchnorm_sync.BatchNormSync`), the finished-epoch resume fix, and the
-peer-failure explanation. What differs between strategies (how gradients are reduced, counted and skipped) stays in
-the strategy; ``docs/extending.md`` shows a new strategy built this way.
+A strategy builds one in its constructor (``self.parts = AccelParts("MyStrategy", ...)``) and calls it, explicitly,
+from the Lightning hooks it overrides (the table in ``docs/extending.md``): the batch plan (``BatchPlanner``), the
+exact partial window (``PartialWindow``), micro-batching (``MicroBatching``, which reaches the strategy only through
+the ``MicroBatchHost`` protocol), SyncBatchNorm on every backend, per-block compilation, the hang watchdog, the resume
+fixes and the peer-failure explanation. What differs between strategies
+(how gradients are reduced, counted and skipped) stays in the strategy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
 
 from lit_accel.callbacks.hang_watchdog import add_hang_watchdog
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
+from lit_accel.strategies._batch_planner import BatchPlanner
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
 from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
-from lit_accel.strategies._global_batch import GlobalBatch
-from lit_accel.strategies._micro_batches import MicroBatchChange, MicroBatching
+from lit_accel.strategies._micro_batch_search import is_out_of_memory
+from lit_accel.strategies._micro_batches import MicroBatchHost, MicroBatching, out_of_memory_message
+from lit_accel.strategies._partial_window import PartialWindow
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
 from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
 from lit_accel.utilities._rank_errors import say_once
 from lit_accel.utilities._validation import check_number
-from lit_accel.utilities._workarounds import resume_finished_epoch
+from lit_accel.utilities._workarounds import resume_finished_epoch, resume_loader_states
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.utilities.types import STEP_OUTPUT
-    from torch import Tensor
+    from lightning.pytorch.strategies import ParallelStrategy
     from torch.optim import Optimizer
 
-    from lit_accel.strategies._fsdp_recovery import CollectiveLedger
+    from lit_accel.strategies.batch_plan import BatchPlan
 
-__all__ = ["AccelParts"]
+__all__ = ["AccelParts", "register_names", "serves_parts_attributes"]
+
+_T = TypeVar("_T")
+
+
+_SERVED = ("batch_plan", "global_batch_size", "micro_batch_size", "partial_window", "sync_bn_group_size")
+
+
+def serves_parts_attributes(cls: type[_T]) -> type[_T]:
+    """Class decorator: the strategy serves its ``parts``' read-only attributes of these names as its own.
+
+    ``batch_plan``, ``global_batch_size``, ``micro_batch_size``, ``partial_window``, ``sync_bn_group_size``: documented
+    on :class:`AccelParts`.
+    """
+    for name in _SERVED:
+        served = getattr(AccelParts, name)
+        setattr(cls, name, property(lambda strategy, name=name: getattr(strategy.parts, name), doc=served.__doc__))
+    return cls
+
+
+def register_names(cls: type, names: Mapping[str, str], strategy_registry: Any) -> None:
+    """Register ``cls`` under each name of ``names`` (name -> start method); names already there are kept."""
+    for name, start_method in names.items():
+        if name not in strategy_registry:
+            description = f"{cls.__name__} with start_method {start_method!r}"
+            strategy_registry.register(name, cls, description=description, start_method=start_method)
 
 
 class AccelParts:
-    """Mixin for a ``ParallelStrategy`` subclass: global batch, partial window, SyncBN, resume fix, peer failures.
+    """Global batch, partial window, micro-batching, SyncBN, compile, watchdog, resume fixes, peer failures.
+
+    Args:
+        owner: the strategy's class name, for messages.
+        global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout, compile: the strategy's
+            arguments of these names (``AccelDDP``'s docstring).
 
     Example::
 
-        class MyStrategy(AccelParts, DDPStrategy):
-            def __init__(self, *, global_batch_size=None, sync_batchnorm=True, **kwargs):
+        class MyDDP(DDPStrategy):
+            def __init__(self, *, global_batch_size=None, **kwargs):
                 super().__init__(**kwargs)
-                self._init_parts("MyStrategy", global_batch_size=global_batch_size, sync_batchnorm=sync_batchnorm)
+                self.parts = AccelParts("MyDDP", global_batch_size=global_batch_size)
+
+            def setup(self, trainer):
+                self.parts.setup(self, trainer, data_parallel_size=self.world_size)
+                super().setup(trainer)
     """
 
-    if TYPE_CHECKING:  # provided by the Lightning strategy this is mixed into
-        world_size: int
-        node_rank: int
-        num_processes: int
-        root_device: torch.device
-        lightning_module: pl.LightningModule | None
-        lr_scheduler_configs: list[Any]
-
-    #: Registry names and their launch methods, for ``register_strategies`` (e.g. ``{"accel_ddp": "popen"}``).
-    registry_names: dict[str, str] = {}  # noqa: RUF012 - a class-level table, replaced by each strategy
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register the strategy under each of its :attr:`registry_names` (idempotent: present names are kept)."""
-        for name, start_method in cls.registry_names.items():
-            if name not in strategy_registry:
-                description = f"{cls.__name__} with start_method {start_method!r}"
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
-
-    def _init_parts(
+    def __init__(
         self,
         owner: str,
         global_batch_size: int | None = None,
@@ -83,204 +96,163 @@ class AccelParts:
         hang_timeout: float | None = None,
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
-        options = check_compile(owner, compile)
-        self._compilation = None if options is None else ForwardCompilation(owner, options)
+        if isinstance(micro_batch_size, str) and micro_batch_size != "auto":
+            raise ValueError(f"{owner}(micro_batch_size={micro_batch_size!r}): expected an int or 'auto'. Fix: 'auto'.")
         if hang_timeout is not None:
             check_number(owner, "hang_timeout", hang_timeout, fix="pass seconds without progress, or None")
-        self._hang_timeout = None if hang_timeout is None else float(hang_timeout)
-        auto = micro_batch_size == "auto"
-        if isinstance(micro_batch_size, str) and not auto:
-            raise ValueError(f"{owner}(micro_batch_size={micro_batch_size!r}): expected an int or 'auto'. Fix: 'auto'.")
-        if auto and global_batch_size is None:
-            raise ValueError(
-                f"{owner}(micro_batch_size='auto') only serves global_batch_size, which is None. Fix: pass"
-                " global_batch_size (the loader's batches are then split to fit)."
-            )
-        self._accumulation = GlobalBatch(owner, global_batch_size, None if auto else micro_batch_size, partial_window)
-        self._batchnorm_sync = BatchNormSync(owner, sync_batchnorm)
-        self._micro_batch_arg = micro_batch_size
-        self._micro: MicroBatching | None = None  # set at fit start when loaded batches are split
-        self._attached_trainer: pl.Trainer | None = None  # set in setup(); the strategy's hooks do not receive it
+        options = check_compile(owner, compile)
+        self.owner = owner
+        self.hang_timeout = None if hang_timeout is None else float(hang_timeout)
+        self.compilation = None if options is None else ForwardCompilation(owner, options)
+        self.planner = BatchPlanner(owner, global_batch_size, micro_batch_size)
+        self.window = PartialWindow(owner, partial_window)
+        self.batchnorm_sync = BatchNormSync(owner, sync_batchnorm)
+        #: Micro-batching of the running fit (``None``: loaded batches run whole).
+        self.micro: MicroBatching | None = None
+        self._trainer: pl.Trainer | None = None  # the strategy's hooks do not receive it
+
+    @property
+    def trainer(self) -> pl.Trainer | None:
+        """The Trainer of the running fit (set in :meth:`setup`; the strategy's own hooks do not receive it)."""
+        return self._trainer
+
+    @property
+    def batch_plan(self) -> BatchPlan | None:
+        """This fit's :class:`~lit_accel.BatchPlan` (global batch, loaded batch, micro-batches, accumulation)."""
+        return self.planner.plan
+
+    @property
+    def partial_window(self) -> str:
+        """How an epoch's last, short accumulation window is averaged: ``"mean"`` or ``"lightning"``."""
+        return self.window.mode
+
+    @property
+    def sync_bn_group_size(self) -> int | None:
+        """Ranks per SyncBatchNorm group (``None``: all ranks)."""
+        return self.batchnorm_sync.group_size
 
     @property
     def global_batch_size(self) -> int | None:
-        """Samples per optimizer step over all devices: the configured value, else micro x accumulation x world."""
-        trainer = self._attached_trainer
-        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
-        size = self._accumulation.global_size(accumulation, self.world_size)
-        return size if trainer is not None or self._accumulation.global_batch_size is not None else None
+        """Samples per optimizer step over all devices: the plan's, else the configured value."""
+        plan = self.planner.plan
+        return plan.global_batch_size if plan is not None else self.planner.global_batch_size
 
     @property
     def micro_batch_size(self) -> int | None:
-        """Samples per forward/backward on one device, known from fit start (or construction, if given)."""
-        if self._micro is not None and self._micro.size is not None:
-            return self._micro.size
-        return self._accumulation.resolved_micro_batch_size
+        """Samples per forward/backward on one device: the plan's, else the configured int."""
+        plan, configured = self.planner.plan, self.planner.micro_batch_size
+        if plan is not None:
+            return plan.micro_batch_size
+        return self.micro.size if self.micro is not None else configured if isinstance(configured, int) else None
 
-    @property
-    def micro_batch_changes(self) -> list[MicroBatchChange]:
-        """Every change ``micro_batch_size="auto"`` made (optimizer step, old size, new size)."""
-        return [] if self._micro is None else list(self._micro.changes)
+    # ------------------------------------------------------------------ called from the strategy's hooks
 
-    def _check_micro_batching(self, auto: bool) -> None:
-        """Refuse what the strategy cannot split batches with (AccelDDP: auto with collectives in forward)."""
+    def setup(
+        self, strategy: ParallelStrategy, trainer: pl.Trainer, *, data_parallel_size: int, group: Any = None
+    ) -> BatchPlan | None:
+        """First in the strategy's ``setup``: the plan (before ``configure_optimizers``), micro-batching, the rest.
 
-    def _forward_collective(self) -> str | None:
-        """What in the model makes a collective of its own in forward (``"auto"`` cannot recover there), or None."""
-        module, layer_sync = self.lightning_module, self._layer_sync
+        Also an empty window, the watchdog and the SyncBN plugin. ``data_parallel_size``/``group``: the ranks that load
+        different data.
+        """
+        self._trainer = trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            return None
+        add_hang_watchdog(trainer, self.hang_timeout)  # report-only unless hang_timeout is set
+        device, module = strategy.root_device, strategy.lightning_module
+        plan = self.planner.resolve(trainer, data_parallel_size=data_parallel_size, group=group, device=device)
+        self.window.new_fit()
+        self.micro = self._micro_batching(plan, module, strategy.num_processes)
+        set_layer_sync(strategy, self.batchnorm_sync.resolve(get_layer_sync(strategy), module, strategy.world_size))
+        return plan
+
+    def _micro_batching(
+        self, plan: BatchPlan | None, module: pl.LightningModule | None, local_ranks: int
+    ) -> MicroBatching | None:
+        size = self.planner.micro_batch_size
+        if size is None or (size != "auto" and plan is not None and plan.micro_batches == 1):
+            return None
+        if module is not None and not module.automatic_optimization:
+            raise ValueError(
+                f"{self.owner}(micro_batch_size={size!r}) splits batches inside Lightning's automatic optimization, but"
+                f" {type(module).__name__} uses manual optimization. Fix: drop micro_batch_size."
+            )
+        return MicroBatching(self.owner, size, self.planner.choose_micro_batch_size, local_ranks)
+
+    def training_step(self, host: MicroBatchHost, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The strategy's ``training_step``: the loaded batch counted and run, whole or as micro-batches."""
+        trainer = self._trainer
+        assert trainer is not None
+        self.planner.check_reload(trainer)  # a reloaded train dataloader must fit the plan
+        self.window.batch_started()
+        if self.micro is None:
+            return step(*args, **kwargs)
+        return self.micro.run(host, step, trainer.accumulate_grad_batches, *args, **kwargs)
+
+    def backward(self, backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The strategy's ``backward``, with the earlier micro-batches' gradients back first.
+
+        (They are held over Lightning's ``zero_grad``.) An out-of-memory error names the micro-batch that would fit.
+        """
+        micro = self.micro
+        if micro is None:
+            return backward(*args, **kwargs)
+        micro.restore_gradients()
+        try:
+            return backward(*args, **kwargs)
+        except Exception as err:
+            if micro.size is None or not is_out_of_memory(err):
+                raise
+            raise RuntimeError(out_of_memory_message(self.owner, micro.size)) from err
+
+    def optimizer_step(
+        self, step: Callable[..., Any], optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """The strategy's ``optimizer_step``, with the closure that ends the window.
+
+        It makes a short window exact, and puts the held gradients back when Lightning skipped the backward.
+        """
+        trainer = self._trainer
+        module = trainer.lightning_module if trainer is not None else None
+        accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
+        automatic = module is None or module.automatic_optimization
+        closure = self.window.step(closure, optimizer, accumulation, automatic)
+        return step(optimizer, closure if self.micro is None else _restoring(closure, self.micro), *args, **kwargs)
+
+    def loops_restored(self) -> None:
+        """In ``load_optimizer_state_dict`` (the first strategy hook after Lightning restored the loops)."""
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            resume_finished_epoch(trainer)
+            resume_loader_states(trainer)  # the plan set the loader up before the loops were restored
+
+    def compile_blocks(self, owner: str, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
+        """Compile the blocks' ``forward`` before the strategy wraps or shards ``model`` (``compile=`` set)."""
+        if self.compilation is not None:
+            self.compilation.apply(compile_targets(owner, model, blocks))
+
+    def teardown(self) -> None:
+        """In ``teardown``: the eager ``forward`` back."""
+        if self.compilation is not None:
+            self.compilation.revert()
+
+    def explain_failure(self, strategy: ParallelStrategy, exception: BaseException) -> None:
+        """In ``on_exception``: a configuration error said once (rank 0), a peer's loss named (by its exit code)."""
+        say_once(exception, strategy.global_rank, strategy.world_size)
+        if strategy.world_size > 1 and is_peer_loss(exception):
+            first_rank = strategy.node_rank * strategy.num_processes
+            children = [(first_rank + local, proc) for local, proc in launched_child_processes(strategy)]
+            explain_peer_failure(exception, strategy.world_size, children)
+
+    @staticmethod
+    def forward_collective(strategy: ParallelStrategy) -> str | None:
+        """What makes a collective in the model's forward (SyncBatchNorm, a user's LayerSync), or None."""
+        module, layer_sync = strategy.lightning_module, get_layer_sync(strategy)
         if module is not None and any(is_synced_batchnorm(m) for m in module.modules()):
             return "SyncBatchNorm"
         if layer_sync is not None and not isinstance(layer_sync, (AccelSyncBatchNorm, TorchSyncBatchNorm)):
             return f"the LayerSync plugin {type(layer_sync).__name__}"  # a user's: it may sync any layer
         return None
-
-    def _average_gradients(self) -> None:
-        """Average the gradients over ranks now (after micro-batches whose backward all stayed local)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot average gradients outside its backward")
-
-    def _collective_ledger(self) -> CollectiveLedger | None:
-        """The ledger keeping collectives in step through a failed ``"auto"`` attempt (AccelFSDP); None: none needed."""
-        return None
-
-    def _reduce_in_attempt(self) -> AbstractContextManager[None]:
-        """Gradient reduction on for the last micro-batch of an attempt that runs every backward (with a ledger)."""
-        raise NotImplementedError(f"{type(self).__name__} has no collective ledger")
-
-    def _prepare_backward_sync(self, output: Any) -> None:
-        """Let the next backward reduce after a forward run under ``block_backward_sync`` (AccelDDP: the reducer)."""
-
-    def _discard_gradients(self) -> None:
-        """Drop the gradients of an attempt that failed (out of memory) on some rank."""
-        for param in self.lightning_module.parameters():  # type: ignore[union-attr]
-            param.grad = None
-
-    @property
-    def sync_bn_group_size(self) -> int | None:
-        """Ranks per SyncBatchNorm group (``None``: all ranks)."""
-        return self._batchnorm_sync.group_size
-
-    def _check_accumulation(self, accumulation: int) -> None:
-        """Refuse an accumulation the strategy cannot run (AccelDDP: ``static_graph``). Called when it is known."""
-
-    # ------------------------------------------------------------------ Lightning hooks
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self._setup_parts(trainer)
-        super().setup(trainer)  # type: ignore[misc]
-
-    def _setup_parts(self, trainer: pl.Trainer) -> None:
-        """The parts' share of ``setup``: the accumulation when known, and which SyncBN plugin to apply."""
-        self._attached_trainer = trainer
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._add_hang_watchdog(trainer)
-            self._accumulation.at_setup(trainer, self.lightning_module, self.world_size)
-            self._check_accumulation(trainer.accumulate_grad_batches)
-            layer_sync = self._batchnorm_sync.resolve(get_layer_sync(self), self.lightning_module, self.world_size)
-            set_layer_sync(self, layer_sync)
-
-    def _add_hang_watchdog(self, trainer: pl.Trainer) -> None:
-        add_hang_watchdog(trainer, self._hang_timeout)  # the user's own HangWatchdog wins
-
-    @override
-    def on_train_start(self) -> None:
-        trainer = self._attached_trainer
-        assert trainer is not None
-        loaded = self._accumulation.at_train_start(
-            trainer, self.lightning_module, self.world_size, self.root_device, bool(self.lr_scheduler_configs)
-        )
-        self._check_accumulation(trainer.accumulate_grad_batches)
-        self._micro = self._micro_batching(loaded)
-        super().on_train_start()  # type: ignore[misc]
-
-    def _micro_batching(self, loaded: int | None) -> MicroBatching | None:
-        arg = self._micro_batch_arg
-        if self._micro is not None and self._micro.auto:
-            self._micro.new_fit()
-            return self._micro  # a further fit keeps the size it learned
-        if arg != "auto" and (arg is None or loaded is None or arg >= loaded):
-            return None
-        owner = type(self).__name__
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            raise ValueError(
-                f"{owner}(micro_batch_size={arg!r}) splits batches inside Lightning's automatic optimization, but"
-                f" {type(module).__name__} uses manual optimization. Fix: drop micro_batch_size."
-            )
-        self._check_micro_batching(arg == "auto")
-        return MicroBatching(owner, arg)  # type: ignore[arg-type]
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        # Lightning starts a window at batch_idx % k == 0 and forces a step on an epoch's last batch, so only that
-        # window can be shorter than k.
-        self._accumulation.window_micro_batches += 1
-        if self._micro is not None:
-            return self._micro.run(self, super().training_step, args[0], args[1:], kwargs)  # type: ignore[misc]
-        return super().training_step(*args, **kwargs)  # type: ignore[misc]
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._micro is not None:
-            self._micro.restore_gradients()  # the earlier micro-batches' share, held over Lightning's zero_grad
-        super().pre_backward(closure_loss)  # type: ignore[misc]
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        trainer, module = self._attached_trainer, self.lightning_module
-        accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
-        automatic = module is None or module.automatic_optimization
-        closure = self._accumulation.wrap_closure(closure, optimizer, accumulation, automatic)
-        if self._micro is not None:
-            closure = _restoring(closure, self._micro)
-        try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        finally:
-            self._accumulation.window_micro_batches = 0
-
-    @override
-    def on_train_end(self) -> None:
-        micro = self._micro
-        if micro is not None and micro.auto:
-            changes = ", ".join(f"step {c.step}: {c.old} -> {c.new}" for c in micro.changes) or "none"
-            rank_zero_info(f"{type(self).__name__}: micro-batch {micro.size} per device (auto; changes: {changes}).")
-        super().on_train_end()  # type: ignore[misc]
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
-        # Lightning restores the loops right before the optimizers: this is the first strategy hook after that.
-        trainer = self._attached_trainer
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            resume_finished_epoch(trainer)
-
-    def _compile_blocks(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
-        """Compile the blocks' ``forward`` before the strategy wraps or shards ``model`` (``compile=`` set)."""
-        if self._compilation is not None:
-            self._compilation.apply(compile_targets(type(self).__name__, model, blocks))
-
-    @override
-    def teardown(self) -> None:
-        if self._compilation is not None:
-            self._compilation.revert()
-        super().teardown()  # type: ignore[misc]
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)  # type: ignore[misc]
-        say_once(exception, self.global_rank, self.world_size)  # a configuration error: rank 0 says it, on one line
-        # A rank that raised or was killed surfaces on the others as a transport error naming an address; say which
-        # rank ended and how (rank 0 of a popen launch knows its children's exit codes and signals).
-        if self.world_size > 1 and is_peer_loss(exception):
-            first_rank = self.node_rank * self.num_processes
-            children = [(first_rank + local, proc) for local, proc in launched_child_processes(self)]
-            explain_peer_failure(exception, self.world_size, children)
 
 
 def _restoring(closure: Callable[[], Any], micro: MicroBatching) -> Callable[[], Any]:

@@ -171,6 +171,21 @@ def batches_that_stepped(trainer: object) -> int:
 # --- Resume at an epoch boundary and the launcher (tests: tests/utilities/test_compat_reliability.py) ---
 
 
+def load_pending_loader_states(trainer: object) -> bool:
+    """Load a restored checkpoint's train loader states into a loader set up before the restore; True if it did.
+
+    ``FitLoop.setup_data`` returns early when the loader exists, skipping ``_load_combined_loader_states`` and the new
+    ``iter`` of the ``_data_fetcher`` that follows it: this does both, in that order. Used by ``_workarounds``.
+    """
+    fit_loop = trainer.fit_loop  # type: ignore[attr-defined]
+    if not (fit_loop.restarting and fit_loop._combined_loader_states_to_load and fit_loop._combined_loader):
+        return False
+    fit_loop._load_combined_loader_states()
+    if fit_loop._data_fetcher is not None:
+        iter(fit_loop._data_fetcher)  # the iterator made before the states were loaded would ignore them
+    return True
+
+
 def clear_finished_epoch_restart(trainer: object) -> bool:
     """If the restored fit loop is "restarting" a finished epoch, clear that flag (``_Loop.restarting``'s base setter).
 
@@ -223,29 +238,6 @@ def fsdp_comm_base_classes() -> tuple[type, type]:
     return AllGather, ReduceScatter
 
 
-def fsdp_can_reset_iteration() -> bool:
-    """Whether this torch's FSDP2 has ``FSDPModule.reset_iter_state`` (recovery from a mid-attempt exception)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return hasattr(FSDPModule, "reset_iter_state")
-
-
-def fsdp_drop_unsharded_grads(root: Any) -> None:
-    """Drop the unsharded gradients FSDP2 accumulates under ``set_requires_gradient_sync(False)``, below ``root``.
-
-    ``reset_iter_state`` leaves them (``FSDPParam.unsharded_accumulated_grad`` or the unsharded parameter's
-    ``.grad``, private); a redone attempt would add its gradients to the failed one's.
-    """
-    for module in root.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        for group in getattr(state() if state else None, "_fsdp_param_groups", ()):
-            for param in group.fsdp_params:
-                param.unsharded_accumulated_grad = None
-                unsharded = getattr(param, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-
-
 def composable_checkpoint() -> Any:
     """``torch.distributed._composable.checkpoint``: activation checkpointing of a module without wrapping it.
 
@@ -294,11 +286,9 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
 
 # --- DDP's built-in logging, read by AccelDDP's hookless comm stats (tests: tests/utilities/test_compat_strategies.py)
 
+
 #: How often (in synchronised iterations) AccelDDP asks DDP to sample its runtime statistics when logging is off;
 #: torch's own default (``kDDPRuntimeLoggingSampleRate`` in ``c10d/reducer.hpp``).
-DDP_DEFAULT_LOGGING_SAMPLE_RATE = 100
-
-
 def ddp_logging_data(ddp: object) -> dict[str, int | str]:
     """``DistributedDataParallel._get_ddp_logging_data()``: DDP's own construction and runtime statistics.
 
@@ -312,17 +302,6 @@ def ddp_logging_data(ddp: object) -> dict[str, int | str]:
     forward; copying the maps costs tens of microseconds, so call this at logging steps only.
     """
     return ddp._get_ddp_logging_data()  # type: ignore[attr-defined]
-
-
-def set_ddp_logging_sample_rate(ddp: object, sample_rate: int) -> None:
-    """``DistributedDataParallel._set_ddp_runtime_logging_sample_rate``: sample DDP's runtime stats every n iterations.
-
-    DDP samples synchronised iterations 1-10 and then every ``sample_rate``-th
-    (``Reducer::should_collect_runtime_stats`` in ``c10d/reducer.cpp``). On CUDA a sample records timing events, and
-    the next synchronised forward waits for them (``CudaTimer::measureDifference`` synchronises them before
-    ``elapsed_time``).
-    """
-    ddp._set_ddp_runtime_logging_sample_rate(sample_rate)  # type: ignore[attr-defined]
 
 
 # --- HangWatchdog's side channel (tests: tests/utilities/test_compat_watchdog.py) ---

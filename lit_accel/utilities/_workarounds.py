@@ -35,6 +35,7 @@ __all__ = [
     "check_static_graph_accumulation",
     "rescale_partial_window_",
     "resume_finished_epoch",
+    "resume_loader_states",
     "skip_aware_schedulers",
     "unscale_with_backward_scale",
 ]
@@ -72,6 +73,12 @@ WORKAROUNDS: dict[str, Workaround] = {
         ">=2.4",
         "https://github.com/Lightning-AI/pytorch-lightning/issues/19617",
         "with max_steps, resuming from an end-of-epoch checkpoint trains one spurious batch (also #19815)",
+    ),
+    "loader_states_after_early_setup": Workaround(
+        "lightning",
+        ">=2.0",
+        "https://github.com/Lightning-AI/pytorch-lightning/issues/20550",
+        "resumable loader states are dropped when the train dataloader was set up before the checkpoint's loops",
     ),
     "backward_scale_unscale": Workaround(
         "torch",
@@ -190,6 +197,19 @@ def resume_finished_epoch(trainer: Any) -> bool:
     if not applies("finished_epoch_resume"):
         return False
     return _compat.clear_finished_epoch_restart(trainer)
+
+
+def resume_loader_states(trainer: Any) -> bool:
+    """After the loops are restored: load a resumable train loader's saved state when it was set up earlier.
+
+    A strategy that plans the batch before ``configure_optimizers`` sets up the train dataloader in its ``setup``, as
+    ``estimated_stepping_batches`` does, before Lightning restores the loops; Lightning then never loads the loader's
+    saved state. Call it from the strategy's ``load_optimizer_state_dict``, after :func:`resume_finished_epoch`.
+    Returns whether it acted.
+    """
+    if not applies("loader_states_after_early_setup"):
+        return False
+    return _compat.load_pending_loader_states(trainer)
 
 
 # ---------------------------------------------------------------------- torch: unscale with the backward's scale

@@ -233,7 +233,7 @@ def test_the_per_bucket_bookkeeping_does_no_tensor_work_and_counts_from_the_end_
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
             with recorder:
-                rounds.append((stats._start(cpu), stats._round(cpu)))  # as the counting hook does, per bucket
+                rounds.append((stats.start(cpu), stats.open_round(cpu)))  # as the counting hook does, per bucket
             return grad
 
     x = torch.randn(3, requires_grad=True)
@@ -244,7 +244,7 @@ def test_the_per_bucket_bookkeeping_does_no_tensor_work_and_counts_from_the_end_
     done.set_result(None)
     with recorder:
         for start, round_ in rounds:
-            stats._finish(start, done, round_)  # both collectives complete now, 10 ms after the second compute
+            stats.finish(start, done, round_)  # both collectives complete now, 10 ms after the second compute
         exposed = stats.pop_exposed_s()
     assert recorder.ops == []
     # Round 1 ended its compute long before (> 10 ms exposed); round 2 >= 10 ms but not its 20 ms of compute.

@@ -146,7 +146,7 @@ def test_two_cpu_processes_train_from_the_yaml(tmp_path):
     proc = _run(README_TWO_PROCESSES, tmp_path, timeout=240)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
-    assert "AccelDDP: global batch 32 = 16 per device x 1 accumulation x 2 devices" in output
+    assert "AccelDDP: global batch 32 = 16 loaded x 1 accumulation x 2 data-parallel ranks" in output
     # a quiet console: upstream lines, our notes, and the YAML's LossScaleMonitor saying once that fp32 has no scale
     fp32_note = r"LossScaleMonitor: nothing to log: precision '32-true' .*"
     assert unexpected_stderr_lines(proc.stderr, (fp32_note,)) == [], proc.stderr[-4000:]

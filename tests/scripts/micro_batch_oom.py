@@ -91,8 +91,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     state = full_state(model)  # (gathers FSDP's shards: on every rank)
     if trainer.global_rank == 0:
-        changes = [(c.step, c.old, c.new) for c in strategy.micro_batch_changes]
-        torch.save({"state": state, "micro": strategy.micro_batch_size, "changes": changes}, args.out)
+        torch.save({"state": state, "micro": strategy.micro_batch_size}, args.out)
 
 
 if __name__ == "__main__":

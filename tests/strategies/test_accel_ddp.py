@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 
 from lit_accel import AccelDDP, AccelSyncBatchNorm
 from lit_accel.protocols import CommStats
-from lit_accel.strategies._comm_stats import DDPLoggingCommStats, HookCommStats
+from lit_accel.strategies._comm_stats import HookCommStats
 from lit_accel.strategies._ddp_hooks import resolve_comm_hook
 from lit_accel.utilities._compat import ddp_logging_data
 from tests.helpers import (
@@ -59,7 +59,8 @@ def _two_arg_lambda(state, bucket):
         ({"global_batch_size": 0}, ValueError, r"global_batch_size=0\): expected an int >= 1"),
         ({"global_batch_size": 2.5}, TypeError, r"global_batch_size=2.5\)"),
         ({"global_batch_size": True}, TypeError, r"global_batch_size=True\)"),
-        ({"micro_batch_size": 8}, ValueError, r"micro_batch_size=8\) only serves global_batch_size.*Fix"),
+        ({"micro_batch_size": 0}, ValueError, r"micro_batch_size=0\): expected an int >= 1"),
+        ({"micro_batch_size": "big"}, ValueError, r"micro_batch_size='big'\): expected an int or 'auto'"),
         ({"partial_window": "sum"}, ValueError, r"partial_window='sum'\): expected one of 'mean', 'lightning'"),
         ({"sync_batchnorm": "yes"}, TypeError, r"sync_batchnorm='yes'\): expected True, False or an AccelSync"),
         ({"static_graph": 1}, TypeError, r"static_graph=1\)"),
@@ -127,15 +128,14 @@ def test_strategy_pickles_for_spawn_with_its_counters():
     restored = pickle.loads(pickle.dumps(strategy))
     assert (restored.comm_stats.calls, restored.comm_stats.bytes) == (3, 120)
     assert restored.global_batch_size == 64 and restored.comm_stats.pop_elapsed_s() == 0.0
-    # The hookless default's counters travel too (no DDP model is attached before the processes start).
-    hookless = pickle.loads(pickle.dumps(AccelDDP()))
-    assert isinstance(hookless.comm_stats, DDPLoggingCommStats)
-    assert (hookless.comm_stats.calls, hookless.comm_stats.bytes, hookless.comm_stats.pop_elapsed_s()) == (0, 0, 0.0)
+    # The default's counters travel too (no DDP model is attached before the processes start).
+    default = pickle.loads(pickle.dumps(AccelDDP()))
+    assert (default.comm_stats.calls, default.comm_stats.bytes, default.comm_stats.pop_elapsed_s()) == (0, 0, 0.0)
 
 
-def test_comm_stats_kind_follows_comm_hook_and_both_satisfy_the_protocol():
+def test_one_comm_stats_kind_whatever_the_hook_and_it_satisfies_the_protocol():
     default, hooked = AccelDDP(), AccelDDP(comm_hook="bf16")
-    assert type(default.comm_stats) is DDPLoggingCommStats and type(hooked.comm_stats) is HookCommStats
+    assert type(default.comm_stats) is HookCommStats and type(hooked.comm_stats) is HookCommStats
     assert isinstance(default.comm_stats, CommStats) and isinstance(hooked.comm_stats, CommStats)
 
 
@@ -145,11 +145,11 @@ def test_comm_stats_elapsed_time_is_the_union_of_intervals(monkeypatch):
     monkeypatch.setattr("lit_accel.strategies._comm_stats.time.perf_counter", lambda: next(clock))
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(torch.zeros(1))
-    first, second = stats._start(torch.device("cpu")), stats._start(torch.device("cpu"))  # 0.0, 1.0
-    stats._finish(first, done)  # 2.0
-    stats._finish(second, done)  # 3.0
-    third = stats._start(torch.device("cpu"))  # 5.0
-    stats._finish(third, done)  # 6.0
+    first, second = stats.start(torch.device("cpu")), stats.start(torch.device("cpu"))  # 0.0, 1.0
+    stats.finish(first, done)  # 2.0
+    stats.finish(second, done)  # 3.0
+    third = stats.start(torch.device("cpu"))  # 5.0
+    stats.finish(third, done)  # 6.0
     assert stats.pop_elapsed_s() == pytest.approx(3.0 + 1.0)  # [0, 3] and [5, 6]
     assert stats.pop_elapsed_s() == 0.0
 
@@ -162,7 +162,7 @@ def test_comm_stats_fold_pending_intervals_when_nobody_pops(monkeypatch):
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(torch.zeros(1))
     for _ in range(10):  # ten disjoint collectives of 1 s each: [0, 1], [2, 3], ...
-        stats._finish(stats._start(torch.device("cpu")), done)
+        stats.finish(stats.start(torch.device("cpu")), done)
         assert len(stats._cpu_intervals) <= 3
     assert stats.pop_elapsed_s() == pytest.approx(10.0)
 
@@ -436,20 +436,20 @@ def test_ddp_defaults_reach_the_wrapped_module(hook_runs):
         "static_graph": False,
         "find_unused_parameters": False,
         "bucket_bytes_cap": 25 * 1024 * 1024,  # torch's default bucket_cap_mb
-        "comm_hook": None,  # no Python hook: DDP's built-in C++ all-reduce, as under Lightning's DDPStrategy
+        "comm_hook": "accel_counting_hook(allreduce_hook)",  # torch's all-reduce hook, counted and timed
     }
 
 
-def test_default_registers_no_comm_hook_and_given_hooks_are_wrapped(hook_runs):
+def test_every_comm_hook_is_wrapped_torchs_all_reduce_by_default(hook_runs):
     for ranks in hook_runs:
-        assert ranks["default"]["ddp"]["comm_hook"] is None
+        assert ranks["default"]["ddp"]["comm_hook"] == "accel_counting_hook(allreduce_hook)"
         assert ranks["fp16"]["ddp"]["comm_hook"] == "accel_counting_hook(fp16_compress_hook)"
         assert ranks["powersgd"]["ddp"]["comm_hook"] == "accel_counting_hook(powerSGD_hook)"
         assert ranks["callable"]["ddp"]["comm_hook"].startswith("accel_counting_hook(")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The hookless default's counters against really counted all-reduces (real processes)
+# The default's counters against really counted all-reduces (real processes)
 # ----------------------------------------------------------------------------------------------------------------
 
 # 104-byte buckets: DDP builds one bucket at construction (its first bucket may hold 1 MiB) and, after the first
@@ -479,14 +479,14 @@ class _ManualThreeBackward(BNModel):
 
 
 class _CounterRecorder(pl.Callback):
-    """``comm_stats`` after every batch; for the hookless mode also DDP's sampled time and the pops."""
+    """``comm_stats`` after every batch; for the default also its rounds and the pops."""
 
     def __init__(self, pop: bool) -> None:
         self.pop = pop
         self.calls: list[int] = []
         self.bytes: list[int] = []
         self.pops: list[float] = []
-        self.comm_ns: list[int] = []
+        self.rounds: list[int] = []
         self.step_s: list[float] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -498,7 +498,7 @@ class _CounterRecorder(pl.Callback):
         self.calls.append(stats.calls)
         self.bytes.append(stats.bytes)
         if self.pop:
-            self.comm_ns.append(int(ddp_logging_data(trainer.strategy.model).get("backward_comm_time", 0)))
+            self.rounds.append(stats.rounds)
             self.pops.append(stats.pop_elapsed_s())
 
 
@@ -520,7 +520,7 @@ def _counter_run(rank: int, world_size: int, manual: bool, counted: bool) -> dic
         "calls": recorder.calls,
         "bytes": recorder.bytes,
         "pops": recorder.pops,
-        "comm_ns": recorder.comm_ns,
+        "rounds": recorder.rounds,
         "step_s": recorder.step_s,
         "hook_calls": hook.calls if hook is not None else None,
         "final": (strategy.comm_stats.calls, strategy.comm_stats.bytes),
@@ -529,7 +529,7 @@ def _counter_run(rank: int, world_size: int, manual: bool, counted: bool) -> dic
 
 def _counter_runs(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     return {
-        f"{'manual' if manual else 'automatic'}-{'counted' if counted else 'hookless'}": _counter_run(
+        f"{'manual' if manual else 'automatic'}-{'counted' if counted else 'default'}": _counter_run(
             rank, world_size, manual, counted
         )
         for manual in (False, True)
@@ -542,50 +542,32 @@ def counter_runs() -> list[dict[str, dict[str, Any]]]:
     return run_distributed(_counter_runs, 2, init_process_group=False, timeout=120)
 
 
-def test_hookless_calls_and_bytes_equal_the_counted_all_reduces(counter_runs):
+def test_default_counters_equal_the_counted_all_reduces_with_one_round_per_synchronised_backward(counter_runs):
     numel = sum(p.numel() for p in BNModel(batchnorm=False).parameters())
     for ranks in counter_runs:
-        first_layout_buckets = ranks["automatic-counted"]["calls"][0]  # the first round of a fit, counted for real
         # Automatic: one round per step; manual: the two manual_backward calls outside no_sync(). DDP rebuilds its
-        # buckets before the second round: in the second step (automatic), within the first (manual).
-        for optimization, rounds_per_step, lag_step in (("automatic", 1, 1), ("manual", 2, 0)):
-            hookless, counted = ranks[f"{optimization}-hookless"], ranks[f"{optimization}-counted"]
+        # buckets before the second round, so the bucket count per round changes.
+        for optimization, rounds_per_step in (("automatic", 1), ("manual", 2)):
+            default, counted = ranks[f"{optimization}-default"], ranks[f"{optimization}-counted"]
             assert len(counted["calls"]) == 6  # two fits of 3 steps
-            # The counting hook saw every bucket DDP reduced; the hook-fed counters agree with it.
+            # A user's counting hook saw every bucket DDP reduced; the wrapper's counters agree with it ...
             assert counted["hook_calls"] == counted["calls"][-1]
             per_step_calls = _per_step(counted["calls"])
-            assert len(set(per_step_calls)) > 1  # the layout really changes ...
-            assert first_layout_buckets < max(per_step_calls) // rounds_per_step  # ... to more buckets
-            assert per_step_calls[:3] == per_step_calls[3:]  # each fit starts on a fresh DDP model's first layout
-            for fit_start in (0, 3):
-                before = counted["calls"][fit_start - 1] if fit_start else 0
-                for step in range(fit_start, fit_start + 3):
-                    if step == fit_start + lag_step:
-                        # The documented lag: DDP publishes its rebuilt layout at the next synchronised forward, so
-                        # a read right after the second round counts every round so far with the first layout.
-                        rounds = (step - fit_start + 1) * rounds_per_step
-                        assert hookless["calls"][step] == before + rounds * first_layout_buckets, (optimization, step)
-                    else:  # the same real collectives, batch by batch, across the layout change and both fits
-                        assert hookless["calls"][step] == counted["calls"][step], (optimization, step)
-            assert hookless["final"] == counted["final"] == (counted["calls"][-1], counted["bytes"][-1])
-            # Bytes: every fp32 gradient once per round, exact at every read.
-            assert _per_step(hookless["bytes"]) == _per_step(counted["bytes"]) == [rounds_per_step * 4 * numel] * 6
+            assert len(set(per_step_calls)) > 1  # (the layout really changes)
+            # ... and the default (torch's all-reduce, wrapped) counts the same collectives at every read
+            assert default["calls"] == counted["calls"] and default["final"] == counted["final"], optimization
+            # Bytes: every fp32 gradient once per round; rounds: the synchronised backward passes, nothing else.
+            assert _per_step(default["bytes"]) == [rounds_per_step * 4 * numel] * 6
+            assert default["rounds"] == [rounds_per_step * (step + 1) for step in range(6)], optimization
 
 
-def test_hookless_elapsed_time_is_ddp_sampled_round_time(counter_runs):
+def test_default_elapsed_time_is_measured_inside_each_step(counter_runs):
     for ranks in counter_runs:
-        for optimization, rounds_per_step in (("automatic", 1), ("manual", 2)):
-            run = ranks[f"{optimization}-hookless"]
-            for step, (pop, comm_ns) in enumerate(zip(run["pops"], run["comm_ns"])):
-                if step % 3 == 0:
-                    # The first step of each fit (a new DDP model): DDP publishes its first sample at the second
-                    # synchronised forward, so nothing is known yet.
-                    assert comm_ns == 0 and pop == 0.0, (optimization, step)
-                else:
-                    # Sampled every round on CPU: the rounds of this step x DDP's latest per-round time.
-                    assert comm_ns > 0 and pop == pytest.approx(rounds_per_step * comm_ns / 1e9, rel=1e-12)
-                    # A round's communication happens inside a step: a sampled round cannot outlast the slowest one.
-                    assert pop / rounds_per_step <= max(run["step_s"]), (optimization, step)
+        for optimization in ("automatic", "manual"):
+            run = ranks[f"{optimization}-default"]
+            for step, pop in enumerate(run["pops"]):
+                # the all-reduces of this step, timed by the hook: some time, never more than the step took
+                assert 0.0 < pop <= run["step_s"][step], (optimization, step)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,25 +6,16 @@ never creates a process group: AccelDDP runs, even on one process, live in forke
 
 from __future__ import annotations
 
-import math
 import re
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 from lit_accel import AccelDDP
-from lit_accel.strategies._accumulation import (
-    micro_batch_size_of,
-    nearest_global_batch_sizes,
-    nearest_micro_batch_sizes,
-    plan_accumulation,
-)
 from tests.helpers import (
     BNModel,
     lightning_info_messages,
@@ -39,79 +30,6 @@ from tests.helpers import (
 # 2, 2, 1 on two, i.e. big batches of 32, 32 and 16 samples. Two epochs check that windows restart with the epoch.
 N_SAMPLES, MICRO, GLOBAL, EPOCHS = 80, 8, 32, 2
 ATOL = 1e-5
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The arithmetic (pure functions, property-tested)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _valid_globals_brute_force(global_batch_size: int, step: int) -> tuple[int, ...]:
-    multiples = [j * step for j in range(1, global_batch_size // step + 2)]
-    below = [m for m in multiples if m <= global_batch_size]
-    above = [m for m in multiples if m >= global_batch_size]
-    return tuple(sorted({*below[-1:], *above[:1]}))
-
-
-@settings(max_examples=300, deadline=None)
-@given(micro=st.integers(1, 64), world=st.integers(1, 32), accumulation=st.integers(1, 64))
-def test_plan_recovers_the_decomposition(micro: int, world: int, accumulation: int) -> None:
-    global_batch_size = micro * world * accumulation
-    plan = plan_accumulation(global_batch_size, micro, world)
-    assert plan.accumulate_grad_batches == accumulation
-    numbers = [int(n) for n in re.findall(r"\d+", plan.describe())]
-    assert numbers[0] == global_batch_size == math.prod(numbers[1:])
-    assert numbers[1:] == [micro, accumulation, world]
-
-
-@settings(max_examples=500, deadline=None)
-@given(global_batch_size=st.integers(1, 4096), micro=st.integers(1, 128), world=st.integers(1, 64))
-def test_plan_accepts_exactly_the_divisible_sizes_and_suggests_the_nearest(
-    global_batch_size: int, micro: int, world: int
-) -> None:
-    step = micro * world
-    if global_batch_size % step == 0:
-        assert plan_accumulation(global_batch_size, micro, world).accumulate_grad_batches == global_batch_size // step
-        return
-    with pytest.raises(ValueError) as info:
-        plan_accumulation(global_batch_size, micro, world)
-    message = str(info.value)
-    assert f"global_batch_size={global_batch_size})" in message
-    assert f"{micro} samples per device" in message
-    assert f"x {world} device" in message
-    assert "Fix:" in message
-    globals_ = nearest_global_batch_sizes(global_batch_size, micro, world)
-    assert globals_ == _valid_globals_brute_force(global_batch_size, step)
-    for size in globals_:
-        assert f"global_batch_size={size}" in message or f"or {size} (" in message
-    micros = nearest_micro_batch_sizes(global_batch_size, micro, world)
-    if global_batch_size % world:
-        assert micros == ()
-        assert "no per-device micro-batch size works" in message
-    else:
-        per_device = global_batch_size // world
-        divisors = [d for d in range(1, per_device + 1) if per_device % d == 0]
-        expected = {*[d for d in divisors if d <= micro][-1:], *[d for d in divisors if d >= micro][:1]}
-        assert micros == tuple(sorted(expected))
-        for size in micros:
-            assert plan_accumulation(global_batch_size, size, world).global_batch_size == global_batch_size
-            assert str(size) in message
-
-
-@pytest.mark.parametrize("bad", [0, -4, 2.0, True, None])
-def test_plan_rejects_non_positive_int_sizes(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"micro_batch_size must be a positive int"):
-        plan_accumulation(32, bad, 2)  # type: ignore[arg-type]
-
-
-def test_micro_batch_size_is_read_from_loaders() -> None:
-    dataset = make_dataset(16)
-    assert micro_batch_size_of(DataLoader(dataset, batch_size=4)) == 4
-    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(dataset), batch_size=3, drop_last=False)
-    assert micro_batch_size_of(DataLoader(dataset, batch_sampler=sampler)) == 3
-    assert micro_batch_size_of({"a": DataLoader(dataset, batch_size=4), "b": DataLoader(dataset, batch_size=4)}) == 4
-    assert micro_batch_size_of([DataLoader(dataset, batch_size=4), DataLoader(dataset, batch_size=2)]) is None
-    assert micro_batch_size_of(DataLoader(dataset, batch_sampler=[[0, 1], [2, 3]])) is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -188,7 +106,7 @@ def _accumulating_runs(rank: int, world_size: int) -> dict[str, dict]:
         # The same accumulation from the Trainer flag (no global_batch_size), and k = 1 and 4 for the counts.
         runs["trainer_flag"] = _fit(rank, world_size, _strategy(counted=True), MICRO, accumulate_grad_batches=2)
         runs["k1"] = _fit(rank, world_size, _strategy(16, counted=True), MICRO)
-        runs["k1_hookless"] = _fit(rank, world_size, _strategy(16), MICRO)
+        runs["k1_default"] = _fit(rank, world_size, _strategy(16), MICRO)
         runs["k4"] = _fit(rank, world_size, _strategy(64, counted=True), MICRO)
     return runs
 
@@ -239,8 +157,8 @@ def test_same_global_batch_on_one_and_two_processes_equals_the_big_batch(referen
 
 def test_the_decomposition_is_logged_once(one_process, two_processes):
     for run, line in (
-        (one_process["mean"], "global batch 32 = 8 per device x 4 accumulation x 1 device"),
-        (two_processes[0]["mean"], "global batch 32 = 8 per device x 2 accumulation x 2 devices"),
+        (one_process["mean"], "global batch 32 = 8 loaded x 4 accumulation x 1 data-parallel rank"),
+        (two_processes[0]["mean"], "global batch 32 = 8 loaded x 2 accumulation x 2 data-parallel ranks"),
     ):
         assert [m for m in run["messages"] if "global batch" in m] == [f"AccelDDP: {line}"]
     assert not [m for m in two_processes[1]["mean"]["messages"] if "global batch" in m]  # rank zero only
@@ -282,21 +200,21 @@ def test_one_all_reduce_round_per_optimizer_step_whatever_k(one_process, two_pro
     assert len(per_step_counts) == 1 and per_step_counts.pop() >= 1
 
 
-def test_hookless_counters_equal_the_counted_all_reduces_with_and_without_accumulation(one_process, two_processes):
+def test_default_counters_equal_the_counted_all_reduces_with_and_without_accumulation(one_process, two_processes):
     numel = sum(p.numel() for p in BNModel(batchnorm=False).parameters())
     batches_per_epoch = {1: N_SAMPLES // MICRO, 2: N_SAMPLES // MICRO // 2}
     cases = [(one_process["mean"], one_process["mean_counted"], 1, 4)]
     for ranks in two_processes:
-        cases += [(ranks["mean"], ranks["mean_counted"], 2, 2), (ranks["k1_hookless"], ranks["k1"], 2, 1)]
-    for hookless, counted, world_size, k in cases:
-        assert hookless["accumulation"] == counted["accumulation"] == k
+        cases += [(ranks["mean"], ranks["mean_counted"], 2, 2), (ranks["k1_default"], ranks["k1"], 2, 1)]
+    for default, counted, world_size, k in cases:
+        assert default["accumulation"] == counted["accumulation"] == k
         # Micro-batch by micro-batch, the same collectives as the hook really saw (one bucket: no layout change) ...
-        assert hookless["calls"] == counted["calls"], (world_size, k)
+        assert default["calls"] == counted["calls"], (world_size, k)
         # ... and the fp32 gradient bytes once per optimizer step (per rank), nothing on non-final micro-batches.
         ends = _window_ends(batches_per_epoch[world_size], k, EPOCHS)
-        increments = [b - a for a, b in zip([0, *hookless["bytes"]], hookless["bytes"])]
+        increments = [b - a for a, b in zip([0, *default["bytes"]], default["bytes"])]
         assert increments == [4 * numel if end else 0 for end in ends], (world_size, k)
-        assert hookless["bytes"] == counted["bytes"]
+        assert default["bytes"] == counted["bytes"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -352,7 +270,7 @@ def _refusals(rank: int, world_size: int) -> dict[str, tuple[str, bool, int]]:
         "unreadable": _error_of(rank, world_size, _strategy(32, counted=True), loader=nosize),
         "per_rank": _error_of(rank, world_size, _strategy(32, counted=True), batch_size=8 if rank else 4),
         "micro_mismatch": _error_of(rank, world_size, _strategy(32, counted=True, micro_batch_size=16)),
-        "explicit_micro": _explicit_micro_batch_size_run(rank, world_size, nosize),
+        "planned_before_optimizers": _planned_before_optimizers(rank, world_size),
     }
 
 
@@ -366,11 +284,11 @@ class _AccumulationSeenByOptimizers(BNModel):
         return super().configure_optimizers()
 
 
-def _explicit_micro_batch_size_run(rank: int, world_size: int, loader: DataLoader) -> tuple[str, int, int | None]:
+def _planned_before_optimizers(rank: int, world_size: int) -> tuple[str, int, int | None]:
     model = _AccumulationSeenByOptimizers()
-    strategy = _strategy(32, counted=True, micro_batch_size=8)
+    strategy = _strategy(32, counted=True)  # the plan comes from the loader's batch size (8), read at setup
     kwargs = small_trainer_kwargs(devices=world_size, strategy=strategy, use_distributed_sampler=False, max_steps=2)
-    pl.Trainer(**kwargs).fit(model, loader)
+    pl.Trainer(**kwargs).fit(model, make_loader(make_dataset(64), 8, rank, world_size))
     return "", strategy.comm_stats.calls, model.seen
 
 
@@ -382,12 +300,20 @@ def refusals() -> list[dict[str, tuple[str, bool, int]]]:
 @pytest.mark.parametrize(
     ("case", "patterns"),
     [
-        ("not_divisible", [r"global_batch_size=30\)", "8 samples per device x 2 devices", "16 .* or 32 ", "5 or 15"]),
+        (
+            "not_divisible",
+            [
+                r"global_batch_size=30\)",
+                "loaded batches of 8 x 2 data-parallel ranks",
+                "16 .* or 32 ",
+                "batch_size of 5 or 15",
+            ],
+        ),
         ("static_trainer_flag", [r"static_graph=True", r"accumulate_grad_batches=2", "Fix: pass static_graph=False"]),
         ("static_global", [r"static_graph=True", r"accumulate_grad_batches=2", "Fix"]),
         ("conflict", [r"global_batch_size=32", r"accumulate_grad_batches=2", r"Trainer\(accumulate_grad_batches=3\)"]),
         ("scheduler", ["GradientAccumulationScheduler", "Fix: drop one"]),
-        ("unreadable", ["no readable batch_size", r"Fix: pass AccelDDP\(micro_batch_size=...\)"]),
+        ("unreadable", ["has no batch_size", r"Fix: give the DataLoader a batch_size"]),
         ("per_rank", ["differ between ranks", "from 4 to 8"]),
         ("micro_mismatch", [r"micro_batch_size=16\)", "batch_size=8"]),
     ],
@@ -399,11 +325,11 @@ def test_invalid_accumulation_configurations_raise_before_any_step(refusals, cas
         assert untouched and calls == 0
 
 
-def test_explicit_micro_batch_size_serves_loaders_without_a_batch_size(refusals):
-    # micro_batch_size=8 with a loader whose size cannot be read: no error, training runs (all-reduces issued), and
-    # the accumulation (32 / (8 x 2)) is already set when configure_optimizers runs.
+def test_the_accumulation_read_from_the_loader_is_set_before_configure_optimizers(refusals):
+    # The loader's batch size (8) is read at setup: training runs (all-reduces issued), and the accumulation
+    # (32 / (8 x 2)) is already set when configure_optimizers runs (estimated_stepping_batches divides by it).
     for ranks in refusals:
-        message, calls, seen_by_optimizers = ranks["explicit_micro"]
+        message, calls, seen_by_optimizers = ranks["planned_before_optimizers"]
         assert message == "" and calls > 0 and seen_by_optimizers == 2
 
 

@@ -1,16 +1,14 @@
 """Micro-batching: loaded batches split into micro-batches, fixed or ``"auto"`` (the largest that fits in memory).
 
-The training must not change: a split run equals one process on the joint batch (fp32, 1e-5), an out-of-memory
-recovery equals a run with the smaller micro-batch from the start, on real gloo processes with real allocation
-failures (a capped address space, and a huge allocation on one rank).
+The training must not change: a split run equals one process on the joint batch (fp32, 1e-5), and ``"auto"`` equals a
+run with the micro-batch it chose from the start, on real gloo processes with real allocation failures (a capped
+address space, and a huge allocation on one rank). ``"auto"`` decides before the first optimizer step, and an
+out-of-memory error later ends every rank with one message.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,11 +16,18 @@ import pytest
 import torch
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, DynamicGradScaler
-from lit_accel.strategies._micro_batches import MicroBatching, is_out_of_memory, split_batch
-from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
+from lit_accel.strategies._micro_batch_search import candidates, is_out_of_memory
+from lit_accel.strategies._micro_batches import split_batch
+from tests.helpers import (
+    BNModel,
+    DistributedTestError,
+    make_dataset,
+    make_loader,
+    params_of,
+    run_distributed,
+    small_trainer_kwargs,
+)
 from tests.strategies.test_accel_fsdp import full_state
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "micro_batch_oom.py"
 
 
 def test_split_batch_slices_every_tensor_of_nested_batches():
@@ -35,13 +40,8 @@ def test_split_batch_slices_every_tensor_of_nested_batches():
     assert is_out_of_memory(MemoryError("std::bad_alloc")) and is_out_of_memory(torch.OutOfMemoryError("CUDA"))
 
 
-def test_out_of_memory_averaging_gradients_is_named_not_retried():
-    class Strategy:  # AccelDDP's averaging, failing to allocate its flat bucket
-        def _average_gradients(self) -> None:
-            torch.empty(2**40, dtype=torch.uint8)
-
-    with pytest.raises(RuntimeError, match=r"out of memory averaging the gradients .* which no micro-batch size"):
-        MicroBatching("AccelDDP", "auto")._average(Strategy())
+def test_candidates_halve_from_the_loaded_batch():
+    assert candidates(12) == [12, 6, 3, 2, 1] and candidates(32) == [32, 16, 8, 4, 2, 1] and candidates(1) == [1]
 
 
 def _fit(rank: int, world: int, strategy: Any, loader_batch: int, steps: int = 4, **kwargs: Any) -> dict[str, Any]:
@@ -55,10 +55,8 @@ def _fit(rank: int, world: int, strategy: Any, loader_batch: int, steps: int = 4
     return {
         "state": full_state(model),
         "micro": strategy.micro_batch_size,
-        "changes": [(c.step, c.old, c.new) for c in strategy.micro_batch_changes],
         "accumulation": trainer.accumulate_grad_batches,
         "rounds": getattr(strategy.comm_stats, "rounds", None),  # FSDP: reduce-scatter rounds
-        "recoveries": list(getattr(getattr(strategy, "_ledger", None), "recoveries", [])),
     }
 
 
@@ -95,60 +93,90 @@ def test_a_fixed_micro_batch_splits_loaded_batches_without_changing_the_training
         _close(runs["fsdp"]["state"], reference)
 
 
-class _OOMOnce(BNModel):
-    """Rank 1 fails a real allocation (a terabyte) in its first micro-batch of optimizer step 2, once."""
+class _OOMAbove(BNModel):
+    """Rank 1 fails a real allocation (a terabyte) in a forward of more than ``limit`` samples, at ``step`` only."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int, step: int | None = 0) -> None:
         super().__init__(batchnorm=False)
-        self.failed = False
+        self.limit, self.step, self.failed_at = limit, step, []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.trainer.global_step == 2 and self.trainer.global_rank == 1 and not self.failed:
-            self.failed = True
+        step = self.trainer.global_step
+        if self.trainer.global_rank == 1 and len(batch[0]) > self.limit and self.step in (None, step):
+            self.failed_at.append(step)
             torch.empty(2**40, dtype=torch.uint8)  # raises: the CPU allocator cannot give a terabyte
         return super().training_step(batch, batch_idx)
 
 
-def _recovery(rank: int, world: int) -> dict[str, Any]:
+def _attempts(rank: int, world: int) -> dict[str, Any]:
+    models: list[_OOMAbove] = []
+
+    def failing() -> _OOMAbove:
+        models.append(_OOMAbove(limit=6, step=None))  # more than 6 samples never fit on rank 1
+        return models[-1]
+
     auto = _fit(rank, world, AccelDDP(global_batch_size=24, micro_batch_size="auto", sync_batchnorm=False), 12,
-                steps=5, model=_OOMOnce)  # fmt: skip
+                steps=5, model=failing)  # fmt: skip
     fixed = _fit(rank, world, AccelDDP(global_batch_size=24, micro_batch_size=6, sync_batchnorm=False), 12, steps=5)
-    return {"auto": auto, "fixed": fixed}
+    return {"auto": auto, "fixed": fixed, "failed_at": models[0].failed_at}
 
 
-def test_an_out_of_memory_on_one_rank_is_recovered_on_both_at_the_same_step():
-    for runs in run_distributed(_recovery, 2, init_process_group=False, timeout=180):
-        # the whole loaded batch (12) until step 2, where rank 1 ran out: both ranks halve to 6 and redo step 2
-        assert runs["auto"]["changes"] == [(2, 12, 6)] and runs["auto"]["micro"] == 6
+def test_auto_attempts_agree_on_every_rank_before_the_first_step():
+    for rank, runs in enumerate(run_distributed(_attempts, 2, init_process_group=False, timeout=180)):
+        # the whole loaded batch (12) failed on rank 1 only, at step 0: both ranks halve to 6 before any step
+        assert runs["auto"]["micro"] == 6 and runs["failed_at"] == ([0] if rank == 1 else [])
         _close(runs["auto"]["state"], runs["fixed"]["state"])
     _close(runs["auto"]["state"], _reference(24, 5))
 
 
-def _refusals(rank: int, world: int) -> dict[str, str]:
-    messages = {}
-    cases = {
-        "syncbn": (AccelDDP(global_batch_size=24, micro_batch_size="auto"), BNModel),
-        "buffers": (AccelDDP(global_batch_size=24, micro_batch_size="auto", sync_batchnorm=False), BNModel),
-        "fsdp_syncbn": (AccelFSDP(global_batch_size=24, micro_batch_size="auto"), BNModel),
-    }
-    for name, (strategy, model) in cases.items():
-        try:
-            _fit(rank, world, strategy, 12, steps=1, model=model)
-        except ValueError as err:
-            messages[name] = str(err)
-    return messages
+def _fails_later(rank: int, world: int) -> None:
+    strategy = AccelDDP(global_batch_size=24, micro_batch_size=6, sync_batchnorm=False)
+    _fit(rank, world, strategy, 12, steps=5, model=lambda: _OOMAbove(limit=5, step=2))
 
 
-def test_auto_refuses_forwards_with_collectives_and_bad_arguments_are_named():
-    for messages in run_distributed(_refusals, 2, init_process_group=False, timeout=120):
-        assert "SyncBatchNorm makes a collective in every forward" in messages["syncbn"]
-        assert "buffer broadcast" in messages["buffers"] and "Fix: pass an int micro_batch_size" in messages["buffers"]
-        assert messages["fsdp_syncbn"].startswith("AccelFSDP(micro_batch_size='auto') cannot recover")
-        assert "SyncBatchNorm makes a collective in every forward. Fix:" in messages["fsdp_syncbn"]
-    with pytest.raises(ValueError, match=r"micro_batch_size='auto'\) only serves global_batch_size"):
-        AccelDDP(micro_batch_size="auto")
-    with pytest.raises(ValueError, match=r"micro_batch_size='big'\): expected an int or 'auto'"):
-        AccelDDP(global_batch_size=8, micro_batch_size="big")
+def test_an_out_of_memory_during_training_ends_every_rank_with_the_size_that_would_fit():
+    started = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fails_later, 2, init_process_group=False, timeout=120)
+    message = str(info.value)
+    assert "did not finish" not in message and time.monotonic() - started < 90  # no rank left waiting
+    assert "AccelDDP: out of memory in a micro-batch of 6 samples. Fix: micro_batch_size=3." in message
+    assert message.count("Error") >= 2  # rank 0 stopped too, at its next collective
+
+
+class _StatefulModel(BNModel):
+    """BatchNorm (buffers broadcast by DDP, synchronised under SyncBN): forwards with collectives."""
+
+    def __init__(self) -> None:
+        super().__init__(batchnorm=True)
+
+
+def _measured(rank: int, world: int) -> dict[str, Any]:
+
+    runs = {}
+    for name, make in (
+        ("ddp_syncbn", lambda m: AccelDDP(global_batch_size=24, micro_batch_size=m)),
+        ("ddp_buffers", lambda m: AccelDDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False)),
+        ("fsdp", lambda m: AccelFSDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False)),
+    ):
+        runs[name] = _fit(rank, world, make("auto"), 12, steps=3, model=_StatefulModel)
+        runs[name + "_fixed"] = _fit(rank, world, make(runs[name]["micro"]), 12, steps=3, model=_StatefulModel)
+    # inside Lightning's accumulation window: loaded batches of 6, two per step (the search runs in the first)
+    window = lambda m: AccelFSDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False)  # noqa: E731
+    runs["fsdp_window"] = _fit(rank, world, window("auto"), 6, steps=3, model=_StatefulModel)
+    runs["fsdp_window_fixed"] = _fit(rank, world, window(runs["fsdp_window"]["micro"]), 6, steps=3,
+                                     model=_StatefulModel)  # fmt: skip
+    return runs
+
+
+def test_auto_measures_where_forwards_make_collectives_and_leaves_no_trace():
+    """SyncBatchNorm, DDP's buffer broadcast and FSDP's all-gathers: the search measures runs that it cannot undo
+    by catching, and must leave nothing behind (gradients, FSDP's state, running statistics, reducer state)."""
+    for runs in run_distributed(_measured, 2, init_process_group=False, timeout=300):
+        for name in ("ddp_syncbn", "ddp_buffers", "fsdp", "fsdp_window"):
+            assert runs[name]["micro"] == runs[name + "_fixed"]["micro"] >= 1, name
+            _close(runs[name]["state"], runs[name + "_fixed"]["state"])  # running statistics included
+        assert runs["fsdp_window"]["accumulation"] == 2
 
 
 def test_batchnorm_statistics_are_per_micro_batch():
@@ -178,31 +206,3 @@ def test_fp16_loss_scaling_sees_one_unscale_per_step_with_split_batches():
     plain = _fit(0, 1, AccelDDP(global_batch_size=16), 4, steps=3, plugins=[plain_plugin])
     _close(split["state"], plain["state"], atol=1e-3)  # fp16 compute in both, same micro-batches
     assert plugin.loss_scale == plain_plugin.loss_scale and plugin.skipped_steps == 0
-
-
-def _run_capped(tmp: Path, budget_mb: float, micro: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp / f"{micro}-{budget_mb}{''.join(extra)}.pt"
-    # One malloc arena (its 64 MB reservations would eat the cap) and every large block mmapped (freed ones return
-    # their address space), so the cap measures the tensors.
-    env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(SCRIPT), "--budget-mb", str(budget_mb), "--micro", micro, "--out", str(out), *extra]
-    return subprocess.run(cmd, env=env, timeout=240, capture_output=True, text=True), out
-
-
-def _capped(tmp: Path, budget_mb: float, micro: str, *extra: str) -> dict[str, Any]:
-    done, out = _run_capped(tmp, budget_mb, micro, *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=True)
-
-
-@pytest.mark.slow
-def test_auto_finds_the_largest_micro_batch_that_fits_under_a_real_memory_cap(tmp_path):
-    # Measured (tests/scripts/micro_batch_oom.py): 16 per device needs at most 40 MB, 32 more than 54 MB, in every
-    # step; 47 MB leaves 7 MB either side for the address space that other code takes, which varies between machines.
-    auto = _capped(tmp_path, 47, "auto")
-    assert auto["micro"] == 16 and auto["changes"] == [(0, 32, 16)]  # the first attempt ran out, the halved one fit
-    fixed = _capped(tmp_path, 1e6, "16")  # no cap: the same micro-batch from the start
-    joint = _capped(tmp_path, 1e6, "auto", "--reference")  # one process, batches of 64: the joint batch
-    for key, value in auto["state"].items():
-        assert torch.allclose(value, fixed["state"][key], atol=1e-5), key
-        assert torch.allclose(value, joint["state"][key], atol=1e-5), key

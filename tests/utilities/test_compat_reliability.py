@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_accel.utilities._compat import launched_child_processes
-from lit_accel.utilities._workarounds import resume_finished_epoch
+from lit_accel.utilities._workarounds import resume_finished_epoch, resume_loader_states
 
 BATCHES = 4
 
@@ -152,3 +152,73 @@ def test_launched_child_processes_reads_the_popen_launcher():
         child.wait()
     assert "self.procs.append(" in inspect.getsource(type(strategy.launcher)._call_children_scripts)
     assert launched_child_processes(SingleDeviceStrategy(device=torch.device("cpu"))) == []
+
+
+class _ResumableLoader(DataLoader):
+    """Lightning's ``_Stateful`` protocol: the next iterator skips the batches of the epoch already handed out."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.handed_out = self._skip = 0
+
+    def __iter__(self) -> Any:
+        skip, self._skip = self._skip, 0  # read at iter(), as torchdata's StatefulDataLoader does
+        self.handed_out = skip
+        return self._batches(skip)
+
+    def _batches(self, skip: int) -> Any:
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.handed_out += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"handed_out": self.handed_out}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["handed_out"]
+
+
+class _Estimating(_Recorder):
+    """Reads ``estimated_stepping_batches`` in ``configure_optimizers``: Lightning sets the train loader up there."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        assert self.trainer.estimated_stepping_batches == 3 * BATCHES
+        return super().configure_optimizers()
+
+
+class _LoaderStateStrategy(SingleDeviceStrategy):
+    """Calls ``resume_loader_states`` where AccelDDP does, after the loops are restored."""
+
+    def __init__(self) -> None:
+        super().__init__(device=torch.device("cpu"))
+        self.loaded: list[bool] = []
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        self.loaded.append(resume_loader_states(self.lightning_module.trainer))
+
+
+def _fit_resumable(strategy: Any = "auto", ckpt_path: Path | None = None, callbacks: list | None = None):
+    model = _Estimating()
+    trainer = pl.Trainer(
+        strategy=strategy, callbacks=callbacks, accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, enable_checkpointing=bool(callbacks), max_epochs=3,
+    )  # fmt: skip
+    loader = _ResumableLoader(TensorDataset(torch.arange(2 * BATCHES).float().unsqueeze(1)), batch_size=2)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return model.seen
+
+
+def test_upstream_still_loader_states_after_early_setup(tmp_path):
+    straight = _fit_resumable(callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=6)])
+    resumed = _fit_resumable(ckpt_path=tmp_path / "epoch=1-step=6.ckpt")
+    assert resumed != straight[6:], "Lightning loads the loader state now: narrow loader_states_after_early_setup"
+    assert resumed[:2] == [(1, 2, 0), (1, 3, 2)]  # the loader restarted epoch 1 at its first sample (0)
+
+
+def test_resume_loader_states_loads_them_into_a_loader_set_up_early(tmp_path):
+    straight = _fit_resumable(callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=6)])
+    strategy = _LoaderStateStrategy()
+    resumed = _fit_resumable(strategy, ckpt_path=tmp_path / "epoch=1-step=6.ckpt")
+    assert strategy.loaded == [True] and resumed == straight[6:]
