@@ -40,11 +40,12 @@ from lit_accel.protocols import (
     ScalerStatsProvider,
     SkippedStepRecord,
 )
-from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParts
+from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts
 
 __all__ = [
     "AccelDDP",
     "AccelFSDP",
+    "AccelParallel",
     "AccelParts",
     "AccelPrecision",
     "AccelSyncBatchNorm",
