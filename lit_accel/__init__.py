@@ -41,6 +41,7 @@ from lit_accel.protocols import (
     SkippedStepRecord,
 )
 from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts
+from lit_accel.strategies.batch_plan import BatchPlan
 
 __all__ = [
     "AccelDDP",
@@ -49,6 +50,7 @@ __all__ = [
     "AccelParts",
     "AccelPrecision",
     "AccelSyncBatchNorm",
+    "BatchPlan",
     "BusBytes",
     "CommStats",
     "CommStatsProvider",

@@ -8,9 +8,9 @@ accumulation steps so that the accumulated gradient is the mean over the global 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from lit_accel.strategies.batch_plan import loaded_batch_size_of as micro_batch_size_of
 
 __all__ = [
     "AccumulationPlan",
@@ -129,26 +129,3 @@ def plan_accumulation(
         f" x {world_size} device{'s' if world_size > 1 else ''} x a whole number of accumulation steps: {reason}."
         f" Fix: use global_batch_size={globals_}{micro_fix}."
     )
-
-
-def micro_batch_size_of(dataloaders: Any) -> int | None:
-    """The per-device batch size of the train dataloader(s), or ``None`` when it cannot be determined.
-
-    Reads ``batch_size``, else ``batch_sampler.batch_size``. For a collection of loaders (Lightning's
-    ``CombinedLoader`` iterables) the sizes must agree.
-    """
-    if isinstance(dataloaders, dict):
-        loaders: Iterable[Any] = dataloaders.values()
-    elif isinstance(dataloaders, (list, tuple)):
-        loaders = dataloaders
-    else:
-        loaders = [dataloaders]
-    sizes = set()
-    for loader in loaders:
-        size = getattr(loader, "batch_size", None)
-        if size is None:
-            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            return None
-        sizes.add(size)
-    return sizes.pop() if len(sizes) == 1 else None
