@@ -127,7 +127,23 @@ def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples
     trainer.fit(model, DataLoader(dataset(samples), batch_size=loaded, sampler=sampler))
     result = _result(trainer, model, recorder)
     result["comm"] = {k: getattr(strategy.comm_stats, k) for k in ("rounds", "reduce_scatters", "all_gathers")}
+    result["fsdp_groups"] = fsdp_groups(model, strategy)
+    result["layout"] = strategy.layout
     return result
+
+
+def fsdp_groups(model: nn.Module, strategy: Any) -> int:
+    """FSDP parameter groups on this rank: FSDP modules (the model's and the stage roots) that own a parameter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    stages = [] if strategy.pipeline is None else strategy.pipeline.modules
+    modules = {id(m): m for root in [model, *stages] for m in root.modules() if isinstance(m, FSDPModule)}
+    groups = 0
+    for module in modules.values():
+        nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
+                  for p in sub.parameters()}  # fmt: skip
+        groups += any(id(p) not in nested for p in module.parameters())
+    return groups
 
 
 def merge(results: list[dict[str, Any]], key: str) -> Any:

@@ -20,12 +20,13 @@ ATOL = 1e-6
 STEPS = 3
 
 
-def assert_equivalent(strategy_kwargs: dict[str, Any], world: int, loaded: int, depth: int = 4,
-                      samples: int = 64, **trainer_kwargs: Any) -> list[dict[str, Any]]:  # fmt: skip
+def assert_equivalent(strategy_kwargs: dict[str, Any], world: int, loaded: int, depth: int = 4, samples: int = 64,
+                      reference_batch: int | None = None, **trainer_kwargs: Any) -> list[dict[str, Any]]:  # fmt: skip
     """Run the layout and the one-process reference; assert gradients, parameters and momentum agree."""
     make_model = functools.partial(PipeModel, depth=depth)
     replicas = world // (strategy_kwargs.get("pipeline_parallel", 1) * strategy_kwargs.get("tensor_parallel", 1))
-    reference = fit_reference(samples, loaded * replicas, STEPS, make_model=make_model, **trainer_kwargs)
+    global_batch = reference_batch or loaded * replicas
+    reference = fit_reference(samples, global_batch, STEPS, make_model=make_model, **trainer_kwargs)
     results = run_distributed(
         fit_parallel, world, strategy_kwargs, samples, loaded, STEPS, make_model=make_model,
         init_process_group=False, timeout=300, **trainer_kwargs,

@@ -21,7 +21,7 @@ from lit_accel.utilities._validation import check_choice, check_int
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.parallel._batch import PipelineBatch
+    from lit_accel.strategies.batch_plan import BatchPlan
     from lit_accel.strategies.parallel._layout import ParallelLayout
     from lit_accel.strategies.parallel._pipeline import PipelineRunner
 
@@ -115,17 +115,17 @@ def _scaler_ok(plugin: Any) -> bool:
     return scaler is not None and isinstance(scaler, torch.amp.GradScaler)
 
 
-def check_pipeline_batch(owner: str, pipeline: PipelineRunner, plan: PipelineBatch) -> None:
+def check_pipeline_batch(owner: str, pipeline: PipelineRunner, plan: BatchPlan) -> None:
     """The loaded batch against the schedule: refuse what torch refuses, warn when micro-batches leave stages idle."""
-    problem = pipeline.check_batch(plan.loaded)
+    problem = pipeline.check_batch(plan.loaded_batch_size)
     if problem is not None:
         raise ValueError(
-            f"{owner}(schedule={pipeline.spec.name!r}, microbatches={plan.microbatches}): {problem}. Fix: more"
+            f"{owner}(schedule={pipeline.spec.name!r}, microbatches={plan.micro_batches}): {problem}. Fix: more"
             f" micro-batches (at least {pipeline.num_stages}), i.e. microbatches= or a larger loader batch_size."
         )
-    if plan.microbatches < pipeline.num_stages:
-        bubble = analytic_bubble(pipeline.spec, plan.microbatches, pipeline.pipeline, pipeline.stages_per_rank)
+    if plan.micro_batches < pipeline.num_stages:
+        bubble = analytic_bubble(pipeline.spec, plan.micro_batches, pipeline.pipeline, pipeline.stages_per_rank)
         rank_zero_warn(
-            f"{owner}: {plan.microbatches} micro-batches for {pipeline.num_stages} pipeline stages leaves each rank"
+            f"{owner}: {plan.micro_batches} micro-batches for {pipeline.num_stages} pipeline stages leaves each rank"
             f" idle about {bubble:.0%} of a step (the bubble). Fix: at least {pipeline.num_stages} micro-batches."
         )

@@ -95,4 +95,3 @@ def _multiples(step: int, near: int) -> str:
     below = max(step, near // step * step)
     above = -(-near // step) * step
     return str(below) if below == above else f"{below} or {above}"
-

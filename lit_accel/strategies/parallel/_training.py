@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from lit_accel.strategies._accumulation import micro_batch_size_of
 from lit_accel.strategies._global_batch import GlobalBatch
+from lit_accel.strategies.batch_plan import loaded_batch_size_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -52,7 +52,7 @@ class OneStageBatch:
     ) -> int | None:  # fmt: skip
         """The loaded batch size per data-parallel rank; without a pipeline the accumulation is applied too."""
         if self.pipelined:
-            return micro_batch_size_of(trainer.train_dataloader)
+            return loaded_batch_size_of(trainer.train_dataloader)
         loaded = self._global.at_train_start(trainer, module, layout.data, device, has_lr_schedulers)
         declared = self._global.micro_batch_size
         if declared is not None and loaded is not None and loaded > declared:

@@ -268,8 +268,9 @@ class AccelParallel(ModelParallelStrategy):
                 microbatches=self.microbatches, micro_batch_size=self._micro_batch_size,
                 num_stages=pipeline.num_stages, accumulation=trainer.accumulate_grad_batches,
             )  # fmt: skip
-            pipeline.microbatches = plan.microbatches
+            pipeline.microbatches = plan.micro_batches
             _checks.check_pipeline_batch(type(self).__name__, pipeline, plan)
+            rank_zero_info(f"{type(self).__name__}: {plan.describe()}.")
         super().on_train_start()
 
     # ------------------------------------------------------------------ steps
