@@ -21,8 +21,12 @@ STEPS = 3
 
 
 def assert_equivalent(strategy_kwargs: dict[str, Any], world: int, loaded: int, depth: int = 4, samples: int = 64,
-                      reference_batch: int | None = None, **trainer_kwargs: Any) -> list[dict[str, Any]]:  # fmt: skip
-    """Run the layout and the one-process reference; assert gradients, parameters and momentum agree."""
+                      reference_batch: int | None = None, compare_grads: bool = True,
+                      **trainer_kwargs: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Run the layout and the one-process reference; assert gradients, parameters and momentum agree.
+
+    ``compare_grads=False`` when clipping: Lightning's callbacks see the reference's gradients before it clips.
+    """
     make_model = functools.partial(PipeModel, depth=depth)
     replicas = world // (strategy_kwargs.get("pipeline_parallel", 1) * strategy_kwargs.get("tensor_parallel", 1))
     global_batch = reference_batch or loaded * replicas
@@ -34,7 +38,7 @@ def assert_equivalent(strategy_kwargs: dict[str, Any], world: int, loaded: int, 
     assert all(r["steps"] == STEPS for r in results)
     grads = merge(results, "grads")
     assert len(grads) == STEPS
-    for step, (got, want) in enumerate(zip(grads, reference["grads"])):
+    for step, (got, want) in enumerate(zip(grads, reference["grads"]) if compare_grads else ()):
         assert got.keys() == want.keys(), f"step {step}: gradients missing for {sorted(want.keys() - got.keys())}"
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=ATOL, rtol=0, msg=f"step {step} grad {name}")

@@ -62,7 +62,7 @@ class ParallelModel:
 
 def _check_loose(owner: str, module: nn.Module, layout: ParallelLayout) -> None:
     loose = _stages.loose_parameters(module)
-    if loose and (layout.pipeline > 1 or layout.data > 1):
+    if loose and (layout.pipeline > 1 or layout.data > 1 or layout.tensor > 1):
         raise ValueError(
             f"{owner}: parameter {loose[0]!r} belongs to no module unit, so no stage or FSDP group can own it. Fix:"
             " hold it in a submodule (e.g. an nn.Module wrapping the nn.Parameter)."
@@ -110,7 +110,9 @@ def build_parallel_model(
         _stages.StageModule(sid, [(name, module.get_submodule(name)) for name in names]) for sid, names in owned.items()
     ]
     roots: list[nn.Module] = []
-    if layout.data > 1:
+    # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
+    # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
+    if layout.data > 1 or layout.tensor > 1:
         roots = _shard(module, stages, layout.data_mesh(mesh), config)
     return ParallelModel(stages, roots, tensor_modules, num_stages, starts)
 

@@ -1,4 +1,4 @@
-"""Gradient agreements over the whole mesh: the fp16 found-inf flag and the total norm for clipping.
+"""Gradient agreements over the whole mesh: one norm of the whole model, for clipping and for skipping.
 
 A stage holds only its own parameters, and under FSDP x TP they are ``DTensor`` shards on different sub-meshes (a norm
 layer on the data dimension only, a projection on data x tensor). torch's ``clip_grad_norm_`` stacks per-parameter
@@ -6,8 +6,11 @@ norms and fails across meshes, and a stage-local norm misses the other stages (0
 0.326). Here each rank sums the squares of its local shards, weighted by how many ranks of its stage hold the same
 values, and one all-reduce over the world gives every rank the model's norm.
 
-DTensor's unscale all-reduces found-inf over a parameter's own mesh, which never includes the pipeline dimension: an
-overflow in stage 1 alone would let stage 0 step. The flag is all-reduced (max) over the world on the device.
+The same norm agrees on skipping: DTensor's unscale all-reduces found-inf over a parameter's own mesh, which never
+includes the pipeline dimension, so an overflow in stage 1 alone would let stage 0 step. The norm is non-finite on
+every rank when any gradient anywhere is; then one element of each rank's gradients is made inf (on the device, no
+host sync), so the precision plugin's own check (a ``GradScaler``'s unscale, AccelPrecision's guard) skips on every
+rank. This works with any plugin, because it runs before the plugin unscales.
 """
 
 from __future__ import annotations
@@ -19,17 +22,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lit_accel.utilities._compat import grad_scaler_found_infs
-
 if TYPE_CHECKING:
     from torch import Tensor
-    from torch.optim import Optimizer
 
-__all__ = ["agree_found_inf", "clip_total_norm_", "total_norm"]
+__all__ = ["agree_and_clip_", "total_norm"]
 
 
 def _local_grads(params: list[torch.nn.Parameter], ranks_per_stage: int) -> dict[float, list[Tensor]]:
-    """Local gradient tensors grouped by the weight of their squares (shards / ranks holding the stage)."""
+    """Local gradient tensors grouped by the weight of their squares: 1 / (ranks of the stage holding the same values).
+
+    Those are the replicas of a ``DTensor`` on its own mesh (its ``Replicate`` dimensions) times the stage's ranks
+    outside that mesh; every kind of shard (FSDP's strided ones included) counts once.
+    """
     from torch.distributed.tensor import DTensor
 
     groups: dict[float, list[Tensor]] = defaultdict(list)
@@ -37,15 +41,17 @@ def _local_grads(params: list[torch.nn.Parameter], ranks_per_stage: int) -> dict
         grad = param.grad
         if grad is None:
             continue
-        shards = 1
+        copies = ranks_per_stage
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
                 raise RuntimeError(
                     f"AccelParallel: a gradient with a Partial placement {grad.placements} reached the step."
                 )
-            shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard())
+            mesh = grad.device_mesh
+            replicas = math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
+            copies = replicas * ranks_per_stage // mesh.size()
             grad = grad.to_local()
-        groups[shards / ranks_per_stage].append(grad)
+        groups[1.0 / copies].append(grad)
     return groups
 
 
@@ -60,21 +66,36 @@ def total_norm(params: list[torch.nn.Parameter], ranks_per_stage: int, device: t
     return squares.sqrt()
 
 
-def clip_total_norm_(
-    params: list[torch.nn.Parameter], max_norm: float, ranks_per_stage: int, device: torch.device
+def agree_and_clip_(
+    params: list[torch.nn.Parameter],
+    ranks_per_stage: int,
+    device: torch.device,
+    *,
+    scale: Tensor | None,
+    max_norm: float | None,
+    poison: bool,
 ) -> Tensor:
-    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` as ``clip_grad_norm_`` does; returns the norm."""
+    """The model's gradient norm (unscaled); non-finite gradients made so on every rank; clipped to ``max_norm``.
+
+    Args:
+        params: this rank's parameters.
+        ranks_per_stage: ranks holding one pipeline stage (data x tensor).
+        device: where the norm lives.
+        scale: the fp16 loss scale the gradients carry (``None``: unscaled); clipping divides it out.
+        max_norm: clip to this norm as ``clip_grad_norm_`` does (``None``: no clipping).
+        poison: make one element of this rank's gradients inf when the norm is not finite.
+    """
     norm = total_norm(params, ranks_per_stage, device)
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for grads in _local_grads(params, ranks_per_stage).values():
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
+    if scale is not None:
+        norm = norm / scale
+    groups = _local_grads(params, ranks_per_stage)
+    if poison:
+        first = next((grads[0] for grads in groups.values() if grads), None)
+        if first is not None:  # adding 0.0 leaves a finite gradient exactly as it was
+            first.view(-1)[:1].add_(torch.where(norm.isfinite(), 0.0, float("inf")).to(first.dtype))
+    if max_norm is not None:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grads in groups.values():
+            for grad in grads:
+                grad.mul_(coef.to(grad.dtype))
     return norm
-
-
-def agree_found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> None:
-    """After ``scaler.unscale_(optimizer)``: every rank's found-inf flag becomes the maximum over the world."""
-    if not dist.is_initialized():
-        return
-    for flag in grad_scaler_found_infs(scaler).get(id(optimizer), []):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)

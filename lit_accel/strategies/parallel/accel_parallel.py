@@ -333,19 +333,28 @@ class AccelParallel(ModelParallelStrategy):
             self._one_stage.window_done()
 
     def _agreeing(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        """``closure``, then the fp16 unscale with found-inf agreed by all ranks, then clipping by the model's norm."""
+        """``closure``, then the whole model's norm, before the plugin unscales (``_gradients.py``).
+
+        A non-finite gradient anywhere then skips the step on every rank (fp16, or AccelPrecision's guard), and
+        ``gradient_clip_val`` clips by it.
+        """
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        fp16 = scaler is not None and scaler.is_enabled()
+        poison = fp16 or getattr(self.precision_plugin, "on_nonfinite", "off") != "off"
+        max_norm = None if self._clip is None else self._clip[0]
+        if not poison and max_norm is None:
+            return closure
 
         def run() -> Any:
             result = closure()
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            if result is not None and scaler is not None and scaler.is_enabled():
-                if not _compat.grad_scaler_grads_unscaled(scaler, optimizer):
-                    scaler.unscale_(optimizer)
-                _gradients.agree_found_inf(scaler, optimizer)
-            if result is not None and self._clip is not None:
-                params = [p for group in optimizer.param_groups for p in group["params"]]
-                per_stage = self.layout.world_size // self.layout.pipeline
-                self.last_grad_norm = _gradients.clip_total_norm_(params, self._clip[0], per_stage, self.root_device)
+            if result is None:  # training_step returned None: no backward, nothing to agree on
+                return result
+            scale = scaler.scale(torch.ones((), device=self.root_device)) if fp16 else None
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            per_stage = self.layout.world_size // self.layout.pipeline
+            self.last_grad_norm = _gradients.agree_and_clip_(
+                params, per_stage, self.root_device, scale=scale, max_norm=max_norm, poison=poison
+            )
             return result
 
         return run
