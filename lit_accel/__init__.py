@@ -36,11 +36,13 @@ from lit_accel.protocols import (
     BusBytes,
     CommStats,
     CommStatsProvider,
+    PipelineBubble,
+    PipelineBubbleStats,
     ScalerStats,
     ScalerStatsProvider,
     SkippedStepRecord,
 )
-from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts
+from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, PipelineLoss
 from lit_accel.strategies.batch_plan import BatchPlan
 
 __all__ = [
@@ -64,6 +66,9 @@ __all__ = [
     "LossScaleMonitor",
     "MemoryMeter",
     "MemoryMonitor",
+    "PipelineBubble",
+    "PipelineBubbleStats",
+    "PipelineLoss",
     "ProgressWatchdog",
     "ScalerStats",
     "ScalerStatsProvider",

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lit_accel import PipelineLoss
 from tests.helpers.models import small_trainer_kwargs
 
 __all__ = ["Block", "PipeModel", "dataset", "fit_parallel", "fit_reference", "full", "merge"]
@@ -34,7 +35,7 @@ class Block(nn.Module):
         return x + self.fc2(self.act(self.fc1(x)))
 
 
-class PipeModel(pl.LightningModule):
+class PipeModel(PipelineLoss, pl.LightningModule):
     """embed -> blocks -> norm -> head; the loss declared once (``pipeline_loss``), SGD with momentum."""
 
     def __init__(self, depth: int = 4, width: int = 8, hidden: int = 16, lr: float = 0.1, norm: bool = True) -> None:
@@ -53,14 +54,6 @@ class PipeModel(pl.LightningModule):
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return nn.functional.mse_loss(output.float(), target)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return self.pipeline_loss(self(x), y)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", self.pipeline_loss(self(x), y))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -126,7 +119,8 @@ def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples
     trainer = pl.Trainer(strategy=strategy, **kwargs)
     trainer.fit(model, DataLoader(dataset(samples), batch_size=loaded, sampler=sampler))
     result = _result(trainer, model, recorder)
-    result["comm"] = {k: getattr(strategy.comm_stats, k) for k in ("rounds", "reduce_scatters", "all_gathers")}
+    counters = ("rounds", "reduce_scatters", "all_gathers", "p2p_sends", "p2p_bytes")
+    result["comm"] = {k: getattr(strategy.comm_stats, k) for k in counters}
     result["fsdp_groups"] = fsdp_groups(model, strategy)
     result["layout"] = strategy.layout
     return result

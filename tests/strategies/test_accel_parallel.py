@@ -54,6 +54,9 @@ def test_pipeline_of_two_equals_one_process():
     results = assert_equivalent({"pipeline_parallel": 2}, world=2, loaded=8)
     stage0 = set(results[0]["params"])
     assert "embed.weight" in stage0 and "head.weight" not in stage0  # each rank holds only its own stage
+    # 4 micro-batches of 2 x 8 fp32 per step: stage 0 sends their activations, stage 1 their input gradients.
+    for result in results:
+        assert (result["comm"]["p2p_sends"], result["comm"]["p2p_bytes"]) == (4 * STEPS, 4 * STEPS * 2 * 8 * 4)
 
 
 LAYOUTS = {

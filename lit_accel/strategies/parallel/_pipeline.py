@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lit_accel.strategies.parallel._bubble import BubbleMeter, Order, single_stage_order, torch_order
 from lit_accel.strategies.parallel._schedules import ScheduleSpec, microbatch_problem, valid_microbatches
+from lit_accel.strategies.parallel._stage import ParallelCommStats, TimedStage
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -66,7 +68,7 @@ class PipelineRunner:
         device: this rank's device.
         microbatches: micro-batches per full batch.
         loss: the LightningModule's ``pipeline_loss``.
-        stage_factory: builds a torch ``PipelineStage`` (the strategy's, which may time its actions).
+        comm: the strategy's comm stats, which count the stages' sends.
     """
 
     def __init__(
@@ -79,7 +81,7 @@ class PipelineRunner:
         device: torch.device,
         microbatches: int,
         loss: Callable[[Any, Any], Tensor],
-        stage_factory: Callable[..., Any],
+        comm: ParallelCommStats,
     ) -> None:
         self.owner = owner
         self.spec = spec
@@ -91,8 +93,10 @@ class PipelineRunner:
         self.pipeline = dist.get_world_size(group)
         self.stages_per_rank = len(modules)
         self._loss = _WeightedLoss(loss)
-        self._stage_factory = stage_factory
-        self._schedules: dict[tuple[int, bool], tuple[Any, int]] = {}
+        self._comm = comm
+        #: This rank's busy and wall time in the pipeline (``_bubble.py``).
+        self.meter = BubbleMeter(device, dist.get_rank(group), num_stages)
+        self._schedules: dict[tuple[int, bool], tuple[Any, int, Order]] = {}
         self._held: list[tuple[Tensor, Tensor]] = []
 
     @property
@@ -111,7 +115,7 @@ class PipelineRunner:
             return f"a loaded batch of {batch_size} samples does not split into {self.microbatches} equal micro-batches"
         return microbatch_problem(self.spec, self.microbatches, self.pipeline, self.stages_per_rank)
 
-    def _schedule(self, batch_size: int, train: bool) -> tuple[Any, int]:
+    def _schedule(self, batch_size: int, train: bool) -> tuple[Any, int, Order]:
         key = (batch_size, train)
         if key not in self._schedules:
             count = valid_microbatches(self.spec, batch_size, self.microbatches, self.pipeline, self.stages_per_rank)
@@ -121,15 +125,24 @@ class PipelineRunner:
                     " micro-batch count the schedule accepts. Fix: DataLoader(drop_last=True), or another schedule."
                 )
             stages = [
-                self._stage_factory(m, m.index, self.num_stages, self.device, group=self.group) for m in self.modules
+                TimedStage(
+                    m, m.index, self.num_stages, self.device, group=self.group, meter=self.meter, comm=self._comm
+                )
+                for m in self.modules
             ]
-            self._schedules[key] = (self.spec.build(self.owner, stages, count, self._loss), count)
+            schedule = self.spec.build(self.owner, stages, count, self._loss)
+            order = (
+                torch_order(schedule.pipeline_order)
+                if self.spec.multi
+                else single_stage_order(self.spec.name, self.pipeline, count)
+            )
+            self._schedules[key] = (schedule, count, order)
         return self._schedules[key]
 
     def _run(self, batch: Any, module: pl.LightningModule, train: bool, scale: Tensor | None) -> Tensor:
         inputs, target = split_batch(module, batch)
         size = _batch_size(inputs)
-        schedule, count = self._schedule(size, train)
+        schedule, count, order = self._schedule(size, train)
         self._loss.weight = 1.0 / count if scale is None else scale / count
         losses: list[Tensor] = []
         args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -139,7 +152,9 @@ class PipelineRunner:
         if not self.has_last_stage:
             kwargs = {}
         if train:
+            self.meter.step_start(order)
             schedule.step(*args, **kwargs)
+            self.meter.step_end()
         else:
             schedule.eval(*args, **kwargs)
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else None

@@ -17,13 +17,14 @@ from typing_extensions import override
 
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies._backend import backend_for_device, check_backend_spec
-from lit_accel.strategies._fsdp_comm import FSDPCommStats, install_counting_comms
+from lit_accel.strategies._fsdp_comm import install_counting_comms
 from lit_accel.strategies.parallel import _checks, _gradients
 from lit_accel.strategies.parallel._batch import plan_pipeline_batch
 from lit_accel.strategies.parallel._build import BuildConfig, ParallelModel, build_parallel_model
 from lit_accel.strategies.parallel._layout import ParallelLayout
 from lit_accel.strategies.parallel._pipeline import PipelineRunner
 from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName
+from lit_accel.strategies.parallel._stage import ParallelCommStats
 from lit_accel.strategies.parallel._tensor_plan import TensorPlan
 from lit_accel.strategies.parallel._training import OneStageBatch
 from lit_accel.utilities import _compat
@@ -132,7 +133,7 @@ class AccelParallel(ModelParallelStrategy):
         self._mesh: DeviceMesh | None = None
         self._parts: ParallelModel | None = None
         self._pipeline: PipelineRunner | None = None
-        self._comm_stats = FSDPCommStats()
+        self._comm_stats = ParallelCommStats()
         self._sync_blocked = False
         self._clip: tuple[float, Any] | None = None  # (value, algorithm) taken from the Trainer while fitting
         self._trainer: pl.Trainer | None = None
@@ -198,6 +199,7 @@ class AccelParallel(ModelParallelStrategy):
             name, world, self.pipeline_parallel, self.tensor_parallel, self.data_replicate
         )
         _checks.check_environment(name, self, self._layout)
+        self._comm_stats.data = self._layout.data  # the FSDP groups' size, for the ring bytes
         _compat.set_model_parallel_sizes(self, world, 1)
         super().setup_environment()
         self._mesh = self._layout.build_mesh(self.root_device.type)
@@ -219,6 +221,7 @@ class AccelParallel(ModelParallelStrategy):
             for root in [*self._parts.fsdp_roots, *self._parts.stages]:
                 install_counting_comms(root, self._comm_stats)
             self._pipeline = self._make_pipeline(spec, module)
+            self._comm_stats.bubble = None if self._pipeline is None else self._pipeline.meter
         self.barrier()
         if fitting:
             self._one_stage.at_setup(trainer, module, layout)
@@ -238,8 +241,6 @@ class AccelParallel(ModelParallelStrategy):
                            self.shard_policy, reshard, param_dtype, self.reduce_dtype)  # fmt: skip
 
     def _make_pipeline(self, spec: Any, module: pl.LightningModule) -> PipelineRunner | None:
-        from torch.distributed.pipelining import PipelineStage
-
         parts = self._parts
         if parts is None or not parts.stages:
             return None
@@ -247,7 +248,7 @@ class AccelParallel(ModelParallelStrategy):
         microbatches = self.microbatches or 2 * stages_total  # replaced by the batch plan at fit start
         return PipelineRunner(type(self).__name__, spec, parts.stages, stages_total,
                               self.device_mesh["pipeline"].get_group(), self.root_device, microbatches,
-                              module.pipeline_loss, PipelineStage)  # type: ignore[operator]  # fmt: skip
+                              module.pipeline_loss, self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
 
     def _take_clipping(self, trainer: pl.Trainer) -> None:
         """Clip by norm here, over every stage and mesh dimension: Lightning's would use one stage's shards."""
