@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lit_accel import PipelineLoss
 from tests.helpers.models import small_trainer_kwargs
 
-__all__ = ["Block", "PipeModel", "dataset", "fit_parallel", "fit_reference", "full", "merge"]
+__all__ = ["Block", "GradRecorder", "PipeModel", "dataset", "fit_parallel", "fit_reference", "full", "merge"]
 
 IN, OUT = 6, 3
 
@@ -89,15 +89,18 @@ def _result(trainer: pl.Trainer, module: pl.LightningModule, recorder: GradRecor
     return {"grads": recorder.grads, "params": params, "momentum": momentum, "steps": trainer.global_step}
 
 
-def fit_reference(samples: int, global_batch: int, steps: int, make_model: Any = PipeModel, **trainer_kwargs: Any):
-    """One process, one batch of ``global_batch`` samples per step."""
+def fit_reference(samples: int, global_batch: int, steps: int, make_model: Any = PipeModel,
+                  shuffle_seed: int | None = None, **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """One process, one batch of ``global_batch`` samples per step (shuffled per epoch as a seeded sampler would)."""
     pl.seed_everything(0, verbose=False)
     model = make_model()
     recorder = GradRecorder()
     kwargs = small_trainer_kwargs(max_steps=steps, max_epochs=-1, callbacks=[recorder])
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)
-    trainer.fit(model, DataLoader(dataset(samples), batch_size=global_batch, shuffle=False))
+    data = dataset(samples)
+    sampler = None if shuffle_seed is None else DistributedSampler(data, 1, 0, shuffle=True, seed=shuffle_seed)
+    trainer.fit(model, DataLoader(data, batch_size=global_batch, shuffle=False, sampler=sampler))
     return _result(trainer, model, recorder)
 
 

@@ -28,6 +28,7 @@ from lit_accel.strategies.parallel._stage import ParallelCommStats
 from lit_accel.strategies.parallel._tensor_plan import TensorPlan
 from lit_accel.strategies.parallel._training import OneStageBatch
 from lit_accel.utilities import _compat
+from lit_accel.utilities._workarounds import resume_finished_epoch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -180,6 +181,27 @@ class AccelParallel(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The ranks of one data-parallel replica (its pipeline stages and tensor shards) load the same samples.
         return {"num_replicas": self.layout.data, "rank": self.layout.data_rank(self.global_rank)}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # load_checkpoint restores the optimizers already; True only so that Lightning calls load_optimizer_state_dict
+        # right after it restored the loops, the one moment the finished-epoch resume fix can act.
+        return True
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint.setdefault("optimizer_states", [])  # loaded above; Lightning only checks the key is there
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            resume_finished_epoch(trainer)  # Lightning #19617: else a finished epoch trains one batch again
 
     # ------------------------------------------------------------------ environment and setup
 
