@@ -80,6 +80,7 @@ from typing import Any
 
 import _common
 import _gpu_checks_more
+import _gpu_checks_parallel
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -624,6 +625,7 @@ CHECKS = {
     "vit": check_vit,
     "syncbn": check_syncbn,
     **_gpu_checks_more.CHECKS,
+    **_gpu_checks_parallel.CHECKS,
 }
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleSpec, analytic_bubble
 from lit_accel.strategies.parallel._tensor_plan import check_plan
+from lit_accel.utilities._compat import get_layer_sync
 from lit_accel.utilities._validation import check_choice, check_int
 
 if TYPE_CHECKING:
@@ -97,6 +98,11 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
             f"{owner}(pipeline_parallel={layout.pipeline}) needs {type(module).__name__}.pipeline_loss(output, target)"
             " returning the mean loss of a micro-batch (the last stage computes it; training_step is not used)."
             " Fix: define pipeline_loss."
+        )
+    if get_layer_sync(strategy) is not None:
+        raise ValueError(
+            f"{owner}: Trainer(sync_batchnorm=True) or a LayerSync plugin, which AccelParallel does not apply yet."
+            " Fix: drop it (BatchNorm statistics then stay per rank)."
         )
     precision = getattr(strategy.precision_plugin, "precision", None)
     if precision == "fp8-mixed" and layout.tensor > 1:
