@@ -73,7 +73,7 @@ PAIRS = {
 
 
 @pytest.mark.parametrize(
-    "pair", [pytest.param(name, marks=pytest.mark.slow) if "tp2-to" in name else name for name in PAIRS]
+    "pair", [pytest.param(name, marks=pytest.mark.slow) if "mid-epoch" in name else name for name in PAIRS]
 )
 def test_resume_under_another_layout(pair, tmp_path: Path):
     (saved_kwargs, saved_world), (resumed_kwargs, resumed_world), at_step = PAIRS[pair]

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torch import Tensor
+    from torch.optim import Optimizer
 
-__all__ = ["agree_and_clip_", "total_norm"]
+__all__ = ["agree_and_clip_", "agreeing_closure", "total_norm"]
 
 
 def _local_grads(params: list[torch.nn.Parameter], ranks_per_stage: int) -> dict[float, list[Tensor]]:
@@ -99,3 +101,35 @@ def agree_and_clip_(
             for grad in grads:
                 grad.mul_(coef.to(grad.dtype))
     return norm
+
+
+def agreeing_closure(
+    closure: Callable[[], Any],
+    optimizer: Optimizer,
+    precision: Any,
+    ranks_per_stage: int,
+    device: torch.device,
+    max_norm: float | None,
+    record: Callable[[Tensor], None],
+) -> Callable[[], Any]:
+    """``closure``, then :func:`agree_and_clip_` over ``optimizer``'s parameters, the norm handed to ``record``.
+
+    Only where needed: fp16 (the plugin's ``scaler``), a plugin that guards non-finite steps (AccelPrecision's
+    ``on_nonfinite``), or clipping.
+    """
+    scaler = getattr(precision, "scaler", None)
+    fp16 = scaler is not None and scaler.is_enabled()
+    poison = fp16 or getattr(precision, "on_nonfinite", "off") != "off"
+    if not poison and max_norm is None:
+        return closure
+
+    def run() -> Any:
+        result = closure()
+        if result is None:  # training_step returned None: no backward, nothing to agree on
+            return result
+        scale = scaler.scale(torch.ones((), device=device)) if fp16 else None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        record(agree_and_clip_(params, ranks_per_stage, device, scale=scale, max_norm=max_norm, poison=poison))
+        return result
+
+    return run

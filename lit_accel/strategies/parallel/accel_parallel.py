@@ -187,15 +187,13 @@ class AccelParallel(ModelParallelStrategy):
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        # load_checkpoint restores the optimizers already; True only so that Lightning calls load_optimizer_state_dict
-        # right after it restored the loops, the one moment the finished-epoch resume fix can act.
+        """True only so that Lightning calls ``load_optimizer_state_dict`` (the resume fix); DCP loaded them."""
         return True
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint.setdefault("optimizer_states", [])  # loaded above; Lightning only checks the key is there
-        return checkpoint
+        # The optimizers were loaded by DCP here; Lightning only checks that the key is there.
+        return {"optimizer_states": [], **super().load_checkpoint(checkpoint_path, weights_only=weights_only)}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -356,31 +354,15 @@ class AccelParallel(ModelParallelStrategy):
             self._one_stage.window_done()
 
     def _agreeing(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        """``closure``, then the whole model's norm, before the plugin unscales (``_gradients.py``).
+        """``closure``, then the whole model's norm, before the plugin unscales (``_gradients.py``)."""
 
-        A non-finite gradient anywhere then skips the step on every rank (fp16, or AccelPrecision's guard), and
-        ``gradient_clip_val`` clips by it.
-        """
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        fp16 = scaler is not None and scaler.is_enabled()
-        poison = fp16 or getattr(self.precision_plugin, "on_nonfinite", "off") != "off"
+        def record(norm: Tensor) -> None:
+            self.last_grad_norm = norm
+
+        per_stage = self.layout.world_size // self.layout.pipeline
         max_norm = None if self._clip is None else self._clip[0]
-        if not poison and max_norm is None:
-            return closure
-
-        def run() -> Any:
-            result = closure()
-            if result is None:  # training_step returned None: no backward, nothing to agree on
-                return result
-            scale = scaler.scale(torch.ones((), device=self.root_device)) if fp16 else None
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            per_stage = self.layout.world_size // self.layout.pipeline
-            self.last_grad_norm = _gradients.agree_and_clip_(
-                params, per_stage, self.root_device, scale=scale, max_norm=max_norm, poison=poison
-            )
-            return result
-
-        return run
+        return _gradients.agreeing_closure(closure, optimizer, self.precision_plugin, per_stage, self.root_device,
+                                           max_norm, record)  # fmt: skip
 
     @contextmanager
     @override
