@@ -53,6 +53,8 @@ def check_arguments(owner: str, args: dict[str, Any]) -> None:
 
 def _check_combinations(owner: str, args: dict[str, Any], spec: ScheduleSpec) -> None:
     pipelined = args["pipeline_parallel"] > 1
+    if pipelined:
+        spec.torch_schedule(owner)  # a schedule this torch lacks is refused now, naming the version
     per_rank = args["stages_per_rank"]
     if per_rank is not None and spec.fixed_stages_per_rank not in (None, per_rank):
         raise ValueError(
