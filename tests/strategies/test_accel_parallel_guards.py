@@ -43,7 +43,7 @@ def _fit_until_refused(rank: int, world: int, strategy_kwargs: dict[str, Any], l
         (2, {"pipeline_parallel": 2, "stage_split": ["blocks.1", "blocks.3"]}, "names 2 stage start(s) for 2 stages"),
         (2, {"pipeline_parallel": 2, "stage_split": ["blocks.9"]}, "'blocks.9' is not a unit of the model"),
         (2, {"pipeline_parallel": 2, "schedule": "dualpipev", "microbatches": 2}, "DualPipeV needs at least"),
-        (2, {"pipeline_parallel": 2, "microbatches": 3}, "does not split into 3 equal pipeline micro-batches"),
+        (2, {"pipeline_parallel": 2, "microbatches": 3}, "does not split into 3 equal micro-batches"),
         (2, {"context_parallel": 2}, "no CPU kernel"),
     ],
     ids=["mesh", "split-count", "split-name", "dualpipev-microbatches", "uneven-microbatches", "context-parallel"],

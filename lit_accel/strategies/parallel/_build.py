@@ -1,13 +1,15 @@
 """How AccelParallel turns the user's LightningModule into this rank's share: stages kept, TP applied, FSDP applied.
 
 Order (torchtitan's): split into stages and drop the other ranks' units (before materialising, so a model built on
-the meta device only ever allocates its own stage), convert for precision (fp8), tensor-parallelise, then shard over
-the data dimension block by block with each stage (or, without a pipeline, each top-level unit) as an FSDP root.
+the meta device only ever allocates its own stage), convert for precision (fp8), tensor-parallelise, compile each
+block (``compile=``), then shard over the data dimension block by block with each stage (or, without a pipeline, each
+top-level unit) as an FSDP root.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,8 @@ class BuildConfig:
     reshard_after_forward: bool
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    #: with ``compile=``: called with the module and its blocks after TP, before FSDP (``AccelParts.compile_blocks``)
+    compile_blocks: Callable[[nn.Module, list[nn.Module]], None] | None = None
 
 
 @dataclass
@@ -106,20 +110,26 @@ def build_parallel_model(
     precision.convert_module(module)
     module.to(device)
     tensor_modules = _tensor_plan.apply_plan(module, mesh["tensor"], plan) if plan else []
+    # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
+    # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
+    shards = layout.data > 1 or layout.tensor > 1
+    blocks = sharding.find_blocks(owner, module, config.shard_policy) if shards or config.compile_blocks else []
+    if config.compile_blocks is not None:
+        config.compile_blocks(module, blocks)  # this rank's blocks (the other stages' are pruned)
     stages = [
         _stages.StageModule(sid, [(name, module.get_submodule(name)) for name in names]) for sid, names in owned.items()
     ]
     roots: list[nn.Module] = []
-    # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
-    # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
-    if layout.data > 1 or layout.tensor > 1:
-        roots = _shard(module, stages, layout.data_mesh(mesh), config)
+    if shards:
+        roots = _shard(module, stages, blocks, layout.data_mesh(mesh), config)
     return ParallelModel(stages, roots, tensor_modules, num_stages, starts)
 
 
-def _shard(module: nn.Module, stages: list[_stages.StageModule], data_mesh: DeviceMesh, config: BuildConfig) -> list:
+def _shard(
+    module: nn.Module, stages: list[_stages.StageModule], blocks: list[nn.Module], data_mesh: DeviceMesh,
+    config: BuildConfig,
+) -> list:  # fmt: skip
     """FSDP over the data dimension: blocks first, then each stage (or each top-level unit) as a root."""
-    blocks = sharding.find_blocks(config.owner, module, config.shard_policy)
     mp_policy = sharding.mixed_precision_policy(config.param_dtype, config.reduce_dtype)
     from torch.distributed.fsdp import OffloadPolicy
 

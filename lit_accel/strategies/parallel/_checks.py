@@ -34,6 +34,7 @@ def check_arguments(owner: str, args: dict[str, Any]) -> None:
     for size in ("pipeline_parallel", "tensor_parallel", "data_replicate", "context_parallel"):
         check_int(owner, size, args[size], example=2)
     check_int(owner, "microbatches", args["microbatches"], allow_none=True, example=8)
+    check_int(owner, "micro_batch_size", args["micro_batch_size"], allow_none=True, example=4)  # no "auto" yet
     check_int(owner, "stages_per_rank", args["stages_per_rank"], allow_none=True, example=2)
     check_choice(owner, "schedule", args["schedule"], tuple(SCHEDULES), "'1f1b'")
     check_choice(owner, "state_dict_type", args["state_dict_type"], ("full", "sharded"), "'sharded'")

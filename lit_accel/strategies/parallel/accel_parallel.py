@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+import functools
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -17,18 +18,17 @@ from typing_extensions import override
 
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies._backend import backend_for_device, check_backend_spec
-from lit_accel.strategies._fsdp_comm import install_counting_comms
+from lit_accel.strategies._fsdp_comm import GradientSync, install_counting_comms
 from lit_accel.strategies.parallel import _checks, _gradients
-from lit_accel.strategies.parallel._batch import plan_pipeline_batch
+from lit_accel.strategies.parallel._batch import check_no_accumulation, pipeline_micro_batches
 from lit_accel.strategies.parallel._build import BuildConfig, ParallelModel, build_parallel_model
 from lit_accel.strategies.parallel._layout import ParallelLayout
 from lit_accel.strategies.parallel._pipeline import PipelineRunner
-from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName
+from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec
 from lit_accel.strategies.parallel._stage import ParallelCommStats
 from lit_accel.strategies.parallel._tensor_plan import TensorPlan
-from lit_accel.strategies.parallel._training import OneStageBatch
+from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.utilities import _compat
-from lit_accel.utilities._workarounds import resume_finished_epoch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -45,6 +45,7 @@ _START_METHODS = {"accel_parallel": "popen", "accel_parallel_spawn": "spawn"}
 _PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
 
+@serves_parts_attributes
 class AccelParallel(ModelParallelStrategy):
     """Pipeline x data (FSDP2, optionally replicated) x tensor parallel training of your own LightningModule.
 
@@ -64,23 +65,24 @@ class AccelParallel(ModelParallelStrategy):
         stages_per_rank: for the interleaved schedules (default 2; the V schedules always hold 2).
         stage_split: ``"auto"`` (the repeated blocks spread evenly) or the unit names where stages 1.. begin.
         tensor_plan: ``"auto"``, ``None`` or a dict module name -> ``"colwise"``/``"rowwise"``/``"sequence"``/style.
-        global_batch_size, micro_batch_size, partial_window: as for ``AccelFSDP`` (pipeline: ``_batch.py``'s rule).
+        global_batch_size, micro_batch_size, partial_window, hang_timeout: as for ``AccelFSDP`` (an int
+            ``micro_batch_size``; under a pipeline it is the pipeline's micro-batch, and there is no accumulation).
+        compile: as for ``AccelFSDP``; each block is compiled after tensor parallelism, before FSDP, on every stage.
         shard_policy, reduce_dtype: as for ``AccelFSDP``. reshard_after_forward: ``None``: not under a pipeline.
         state_dict_type: ``"sharded"`` (a distributed checkpoint that resumes under another layout) or ``"full"``.
         context_parallel: only 1 (context parallel's backward has no CPU kernel; not supported yet).
         process_group_backend, timeout, start_method: as for ``AccelDDP``.
 
     Raises:
-        ValueError/TypeError: a bad argument here; at setup (before the first step) sizes that do not fit the world,
-            a split that does not fit the stages, a micro-batch count the schedule refuses.
+        ValueError/TypeError: a bad argument here; at setup (before ``configure_optimizers``) sizes that do not fit
+            the world, a batch plan that cannot be made, a split that does not fit the stages, a micro-batch count the
+            schedule refuses.
 
     Example::
 
         trainer = Trainer(accelerator="gpu", devices=8, plugins=[AccelPrecision("bf16-mixed")],
                           strategy=AccelParallel(pipeline_parallel=2, tensor_parallel=2, schedule="interleaved_1f1b"))
     """
-
-    registry_names = _START_METHODS
 
     def __init__(
         self,
@@ -101,6 +103,8 @@ class AccelParallel(ModelParallelStrategy):
         reduce_dtype: torch.dtype | None = torch.float32,
         state_dict_type: Literal["full", "sharded"] = "sharded",
         context_parallel: int = 1,
+        hang_timeout: float | None = None,
+        compile: bool | Mapping[str, Any] = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn"] = "popen",
@@ -113,41 +117,32 @@ class AccelParallel(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.pipeline_parallel, self.tensor_parallel, self.data_replicate = (
-            pipeline_parallel,
-            tensor_parallel,
-            data_replicate,
-        )
+        #: The strategy-independent parts (batch plan, exact window, watchdog, resume fixes, compile), called below.
+        self.parts = AccelParts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm=False,
+                                hang_timeout=hang_timeout, compile=compile)  # fmt: skip
+        self.pipeline_parallel, self.tensor_parallel = pipeline_parallel, tensor_parallel
+        self.data_replicate, self.context_parallel = data_replicate, context_parallel
         self.schedule = schedule
         self.microbatches, self.stages_per_rank, self.stage_split = microbatches, stages_per_rank, stage_split
         self.tensor_plan = tensor_plan
         self.shard_policy, self.reduce_dtype = shard_policy, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.state_dict_type = state_dict_type
-        self.context_parallel = context_parallel
         self._start_method = start_method
-        self._one_stage = OneStageBatch(
-            name, global_batch_size, micro_batch_size, partial_window, pipeline_parallel > 1
-        )
-        self._global_batch_size, self._micro_batch_size = global_batch_size, micro_batch_size
         self._layout: ParallelLayout | None = None
         self._mesh: DeviceMesh | None = None
-        self._parts: ParallelModel | None = None
+        self._built: ParallelModel | None = None
         self._pipeline: PipelineRunner | None = None
         self._comm_stats = ParallelCommStats()
-        self._sync_blocked = False
+        self._sync = GradientSync()  # FSDP's gradient reduction, off for a window's non-final backward passes
         self._clip: tuple[float, Any] | None = None  # (value, algorithm) taken from the Trainer while fitting
-        self._trainer: pl.Trainer | None = None
         #: The model's gradient norm before the last clipping (a device tensor; with ``gradient_clip_val`` only).
         self.last_grad_norm: Tensor | None = None
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"accel_parallel"`` (and its spawn variant); names already present are kept."""
-        for name, start_method in cls.registry_names.items():
-            if name not in strategy_registry:
-                description = f"{cls.__name__} with start_method {start_method!r}"
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
+        register_names(cls, _START_METHODS, strategy_registry)
 
     # ------------------------------------------------------------------ public state
 
@@ -187,7 +182,7 @@ class AccelParallel(ModelParallelStrategy):
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        """True only so that Lightning calls ``load_optimizer_state_dict`` (the resume fix); DCP loaded them."""
+        """True only so that Lightning calls ``load_optimizer_state_dict`` (the resume fixes); DCP loaded them."""
         return True
 
     @override
@@ -197,9 +192,7 @@ class AccelParallel(ModelParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        trainer = self._trainer
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            resume_finished_epoch(trainer)  # Lightning #19617: else a finished epoch trains one batch again
+        self.parts.loops_restored()  # the first strategy hook after Lightning restored the loops
 
     # ------------------------------------------------------------------ environment and setup
 
@@ -227,48 +220,67 @@ class AccelParallel(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Split, tensor-parallelise and shard the model for this rank; then optimizers and precision as Lightning."""
+        """The batch plan (before ``configure_optimizers``); this rank's share of the model; optimizers, precision."""
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
-        self._trainer = trainer
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        self.accelerator.setup(trainer)
-        layout, module = self.layout, self.lightning_module
+        name, layout, module = type(self).__name__, self.layout, self.lightning_module
         spec = SCHEDULES[self.schedule]
-        _checks.check_model(type(self).__name__, self, module, layout, spec)
-        if self._parts is None:  # a second fit/validate keeps the model as built
-            self._parts = build_parallel_model(module, layout, self.device_mesh, self.global_rank, self.root_device,
-                                               self.precision_plugin, self._build_config(spec))  # fmt: skip
-            for root in [*self._parts.fsdp_roots, *self._parts.stages]:
-                install_counting_comms(root, self._comm_stats)
-            self._pipeline = self._make_pipeline(spec, module)
-            self._comm_stats.bubble = None if self._pipeline is None else self._pipeline.meter
+        _checks.check_model(name, self, module, layout, spec)
+        # Agreed over the world (data_parallel_size is the mesh's data dimension): a replica's stages and shards load
+        # the same batches too, and the world needs no flattened sub-mesh group.
+        plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **self._batch_split(spec))
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and layout.pipeline > 1:
+            check_no_accumulation(name, trainer, plan)
+        self.accelerator.setup(trainer)
+        if self._built is None:  # a second fit/validate keeps the model as built
+            self._build(spec, module)
         self.barrier()
         if fitting:
-            self._one_stage.at_setup(trainer, module, layout)
+            self._plan_pipeline()
             self._take_clipping(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _build_config(self, spec: Any) -> BuildConfig:
+    def _batch_split(self, spec: ScheduleSpec) -> dict[str, Any]:
+        """A pipeline runs equal micro-batches itself (its count planned); without one, AccelParts' micro-batching."""
+        if self.pipeline_parallel == 1:
+            return {}
+        stages = self.pipeline_parallel * spec.stages_per_rank(self.stages_per_rank)
+        count = pipeline_micro_batches(self.microbatches, self.parts.planner.micro_batch_size, stages)
+        return {"splits_batches": True, "micro_batches": count}
+
+    def _build(self, spec: ScheduleSpec, module: pl.LightningModule) -> None:
+        name = type(self).__name__
         precision = self.precision_plugin
         param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = self.pipeline_parallel == 1  # torchtitan's choice: stages keep parameters from F to B
-        return BuildConfig(type(self).__name__, spec, self.stages_per_rank, self.stage_split, self.tensor_plan,
-                           self.shard_policy, reshard, param_dtype, self.reduce_dtype)  # fmt: skip
+        compiling = self.parts.compilation is not None
+        config = BuildConfig(name, spec, self.stages_per_rank, self.stage_split, self.tensor_plan, self.shard_policy,
+                             reshard, param_dtype, self.reduce_dtype,
+                             functools.partial(self.parts.compile_blocks, name) if compiling else None)  # fmt: skip
+        built = build_parallel_model(module, self.layout, self.device_mesh, self.global_rank, self.root_device,
+                                     precision, config)  # fmt: skip
+        for root in [*built.fsdp_roots, *built.stages]:
+            install_counting_comms(root, self._comm_stats)
+        self._built, self._sync.roots = built, built.fsdp_roots
+        if built.stages:
+            self._pipeline = PipelineRunner(name, spec, built.stages, built.num_stages,
+                                            self.device_mesh["pipeline"].get_group(), self.root_device,
+                                            self.microbatches or 2 * built.num_stages, module.pipeline_loss,
+                                            self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
+            self._comm_stats.bubble = self._pipeline.meter
 
-    def _make_pipeline(self, spec: Any, module: pl.LightningModule) -> PipelineRunner | None:
-        parts = self._parts
-        if parts is None or not parts.stages:
-            return None
-        stages_total = parts.num_stages
-        microbatches = self.microbatches or 2 * stages_total  # replaced by the batch plan at fit start
-        return PipelineRunner(type(self).__name__, spec, parts.stages, stages_total,
-                              self.device_mesh["pipeline"].get_group(), self.root_device, microbatches,
-                              module.pipeline_loss, self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
+    def _plan_pipeline(self) -> None:
+        """The pipeline's micro-batch count from this fit's plan, checked against the schedule."""
+        pipeline, plan = self._pipeline, self.parts.batch_plan
+        if pipeline is None or plan is None:
+            return  # no pipeline, or no loader batch size: each batch is split as it comes (``_pipeline.py``)
+        pipeline.microbatches = plan.micro_batches
+        _checks.check_pipeline_batch(type(self).__name__, pipeline, plan)
 
     def _take_clipping(self, trainer: pl.Trainer) -> None:
         """Clip by norm here, over every stage and mesh dimension: Lightning's would use one stage's shards."""
@@ -276,30 +288,15 @@ class AccelParallel(ModelParallelStrategy):
             self._clip = (float(trainer.gradient_clip_val), trainer.gradient_clip_algorithm)
             trainer.gradient_clip_val = None
 
-    @override
-    def on_train_start(self) -> None:
-        trainer, pipeline = self._trainer, self._pipeline
-        assert trainer is not None
-        loaded = self._one_stage.at_train_start(
-            trainer, self.lightning_module, self.layout, self.root_device, bool(self.lr_scheduler_configs)
-        )
-        if pipeline is not None and loaded is not None:
-            plan = plan_pipeline_batch(
-                type(self).__name__, loaded, self.layout.data, global_batch_size=self._global_batch_size,
-                microbatches=self.microbatches, micro_batch_size=self._micro_batch_size,
-                num_stages=pipeline.num_stages, accumulation=trainer.accumulate_grad_batches,
-            )  # fmt: skip
-            pipeline.microbatches = plan.micro_batches
-            _checks.check_pipeline_batch(type(self).__name__, pipeline, plan)
-            rank_zero_info(f"{type(self).__name__}: {plan.describe()}.")
-        super().on_train_start()
-
     # ------------------------------------------------------------------ steps
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self.parts.training_step(self, self._training_step, *args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """A loaded batch (or micro-batch) through Lightning's ``training_step``, or all its micro-batches' pipeline."""
         if self._pipeline is None:
-            self._one_stage.count_micro_batch()
             return super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
         scale = self._loss_scale()
@@ -327,7 +324,7 @@ class AccelParallel(ModelParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return self.parts.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
         # The schedule ran every backward inside training_step: only the hooks around it are left to call.
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
@@ -340,51 +337,51 @@ class AccelParallel(ModelParallelStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        if not self._sync_blocked and self._parts is not None and self._parts.fsdp_roots:
+        if self._sync.roots and not self._sync.blocked:
             self._comm_stats.rounds += 1  # this backward (or pipeline pass) reduce-scattered every group
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        trainer = self._trainer
-        accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
-        closure = self._one_stage.wrap_closure(closure, optimizer, accumulation, self.lightning_module)
-        try:
-            return super().optimizer_step(optimizer, self._agreeing(closure, optimizer), model, **kwargs)
-        finally:
-            self._one_stage.window_done()
+        # AccelParts' closure ends the window (a short one made exact); inside it, the agreement over the mesh.
+        return self.parts.optimizer_step(self._agreeing_step, optimizer, closure, model, **kwargs)
 
-    def _agreeing(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        """``closure``, then the whole model's norm, before the plugin unscales (``_gradients.py``)."""
+    def _agreeing_step(self, optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        """Lightning's step with ``closure`` followed by the whole model's norm, before the plugin unscales."""
 
         def record(norm: Tensor) -> None:
             self.last_grad_norm = norm
 
         per_stage = self.layout.world_size // self.layout.pipeline
         max_norm = None if self._clip is None else self._clip[0]
-        return _gradients.agreeing_closure(closure, optimizer, self.precision_plugin, per_stage, self.root_device,
-                                           max_norm, record)  # fmt: skip
+        agreeing = _gradients.agreeing_closure(closure, optimizer, self.precision_plugin, per_stage, self.root_device,
+                                               max_norm, record)  # fmt: skip
+        return super().optimizer_step(optimizer, agreeing, *args, **kwargs)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches of a window keep their gradients local (no reduce-scatter)."""
-        roots = [] if self._parts is None else self._parts.fsdp_roots
-        if self._sync_blocked or not roots:
+        with self._sync.switched(False):
             yield
-            return
-        for root in roots:
-            root.set_requires_gradient_sync(False)
-        self._sync_blocked = True
-        try:
-            yield
-        finally:
-            self._sync_blocked = False
-            for root in roots:
-                root.set_requires_gradient_sync(True)
+
+    def gradient_sync(self) -> AbstractContextManager[None]:
+        """The backward run inside reduce-scatters, even within Lightning's accumulation window (micro-batching)."""
+        return self._sync.switched(True)
+
+    def forward_collective(self) -> str | None:
+        """What makes a collective in the model's forward: FSDP's all-gathers (and TP's), when sharded."""
+        return "FSDP's all-gathers" if self._sync.roots else None
 
     @override
     def teardown(self) -> None:
-        if self._clip is not None and self._trainer is not None:
-            self._trainer.gradient_clip_val = self._clip[0]
+        self.parts.teardown()
+        trainer = self.parts.trainer
+        if self._clip is not None and trainer is not None:
+            trainer.gradient_clip_val = self._clip[0]
             self._clip = None
         super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self.parts.explain_failure(self, exception)
