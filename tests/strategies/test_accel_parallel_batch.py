@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from lit_accel import AccelParallel, BatchPlan, HangWatchdog
 from lit_accel.callbacks.hang_watchdog import REPORT_AFTER_S
 from tests.helpers import lightning_info_messages, run_distributed, small_trainer_kwargs
-from tests.helpers.parallel import PipeModel, dataset
+from tests.helpers.parallel import PipeModel, dataset, fit_parallel
 from tests.strategies.test_accel_parallel import assert_equivalent
 
 
@@ -115,3 +115,26 @@ def test_the_stepping_estimate_in_configure_optimizers_is_the_number_of_steps_ta
             # the report-only watchdog by default; one that ends the job only when asked
             timeout = strategy_kwargs.get("hang_timeout")
             assert result["watchdog"] == (("report", REPORT_AFTER_S) if timeout is None else ("exit", timeout)), name
+
+
+class _ForwardSizes(pl.Callback):
+    """The batch size of every forward of the model in training."""
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.sizes: list[int] = []
+        module.register_forward_pre_hook(lambda _, args: self.sizes.append(args[0].shape[0]))
+
+
+def _fit_split(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    sizes = _ForwardSizes()
+    return {**fit_parallel(rank, world, *args, callbacks=[sizes], **kwargs), "forward_sizes": sizes.sizes}
+
+
+@pytest.mark.slow
+def test_micro_batches_without_pipeline_equal_the_unsplit_run():
+    # dp2 x tp2, global 16 = 4 loaded x 2 accumulation x 2 replicas, each loaded batch as 2 micro-batches of 2
+    # (AccelParts' micro-batching: only the window's last backward reduces); 20 per replica -> windows 2, 2, 1.
+    results = assert_equivalent({"tensor_parallel": 2, "global_batch_size": 16, "micro_batch_size": 2}, world=4,
+                                loaded=4, samples=40, reference_batch=16, fit=_fit_split)  # fmt: skip
+    _one_reduce_scatter_per_group_per_step(results, steps=3)
+    assert all(r["forward_sizes"] == [2] * 10 for r in results), results[0]["forward_sizes"]  # 5 loaded batches

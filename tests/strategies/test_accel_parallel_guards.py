@@ -8,6 +8,8 @@ after forward leaves the last stage without gradients. When a torch release fixe
 
 from __future__ import annotations
 
+import io
+import sys
 import warnings
 from typing import Any
 
@@ -26,6 +28,7 @@ from tests.helpers.parallel import PipeModel, dataset
 def _fit_until_refused(rank: int, world: int, strategy_kwargs: dict[str, Any], loaded: int = 8) -> dict[str, Any]:
     trainer = pl.Trainer(strategy=AccelParallel(**strategy_kwargs),
                          **small_trainer_kwargs(devices=world, max_steps=2, max_epochs=-1))  # fmt: skip
+    hook, printed = sys.excepthook, None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -33,7 +36,20 @@ def _fit_until_refused(rank: int, world: int, strategy_kwargs: dict[str, Any], l
             error = None
         except (ValueError, TypeError) as err:
             error = str(err)
-    return {"error": error, "steps": trainer.global_step, "warnings": [str(w.message) for w in caught]}
+            printed = _as_the_process_ends(err)
+    sys.excepthook = hook
+    return {"error": error, "steps": trainer.global_step, "warnings": [str(w.message) for w in caught],
+            "printed": printed}  # fmt: skip
+
+
+def _as_the_process_ends(error: BaseException) -> str:
+    """What the interpreter prints for ``error`` uncaught (its excepthook, as the strategy's on_exception left it)."""
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        sys.excepthook(type(error), error, error.__traceback__)
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
 
 
 @pytest.mark.parametrize(
@@ -54,6 +70,9 @@ def test_refused_before_the_first_step_with_a_fix(world, strategy_kwargs, expect
         assert result["error"] is not None and expected in result["error"], result["error"]
         assert "Fix:" in result["error"]
         assert result["steps"] == 0
+    # said once (AccelParts' say_once, from on_exception): one line on rank 0 as the process ends, nothing elsewhere
+    assert results[0]["printed"].count("\n") == 1 and expected in results[0]["printed"], results[0]["printed"]
+    assert all(result["printed"] == "" for result in results[1:])
 
 
 def test_too_few_micro_batches_warn_with_the_bubble():
