@@ -78,13 +78,17 @@ def test_layout_equals_one_process(layout):
 
 
 def with_torch(schedule: str) -> Any:
-    """The schedule as a test parameter, skipped on a torch without its class (AccelParallel refuses it there)."""
+    """The schedule as a test parameter, skipped on a torch without its class or unable to run it on CPU.
+
+    AccelParallel refuses it there (``test_accel_parallel_guards.py``).
+    """
     from torch.distributed import pipelining
 
     from lit_accel.strategies.parallel._schedules import SCHEDULES
 
-    missing = not hasattr(pipelining, SCHEDULES[schedule].torch_class)
-    return pytest.param(schedule, marks=pytest.mark.skipif(missing, reason=f"torch {torch.__version__} lacks it"))
+    spec = SCHEDULES[schedule]
+    refused = not hasattr(pipelining, spec.torch_class) or spec.cpu_problem() is not None
+    return pytest.param(schedule, marks=pytest.mark.skipif(refused, reason=f"torch {torch.__version__} cannot"))
 
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev"]

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_accel import AccelParallel
+from lit_accel.strategies.parallel._schedules import SCHEDULES
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 from tests.helpers.parallel import PipeModel, dataset
@@ -148,3 +149,34 @@ def test_torch_zero_bubble_loses_gradients_when_fsdp_reshards_after_forward():
     missing = run_distributed(_zero_bubble_with_resharding, 4, True, timeout=120)
     assert any(missing), "torch's zero-bubble schedule now keeps every gradient with resharding: relax the guard"
     assert not any(run_distributed(_zero_bubble_with_resharding, 4, False, timeout=120))
+
+
+def _raw_zbv(rank: int, world: int) -> str | None:
+    """torch's ZBV schedule alone on gloo: two stages per rank in a V (rank 1 holds the adjacent stages 1 and 2)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    stages = [PipelineStage(layers[i], i, 4, torch.device("cpu")) for i in (rank, 3 - rank)]
+    schedule = ScheduleZBVZeroBubble(stages, 4, loss_fn=lambda out, y: (out - y).square().mean(), scale_grads=False)
+    try:
+        schedule.step(torch.randn(8, 4), target=torch.randn(8, 4), losses=[]) if rank == 0 else schedule.step()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+V_PROBLEM = SCHEDULES["zbv"].cpu_problem()
+
+
+@pytest.mark.skipif(V_PROBLEM is None, reason=f"torch {torch.__version__} runs the V schedules on gloo")
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_are_refused_on_cpu_where_torch_cannot_run_them(schedule):
+    results = run_distributed(_fit_until_refused, 2, {"pipeline_parallel": 2, "schedule": schedule},
+                              init_process_group=False)  # fmt: skip
+    for result in results:
+        assert f"schedule='{schedule}') on CPU: torch {torch.__version__} starts a V schedule" in result["error"]
+        assert "Fix: upgrade torch" in result["error"] and result["steps"] == 0
+    if schedule == "zbv":  # the pin: torch itself fails there. When this passes, lower V_ON_GLOO_SINCE to this torch.
+        errors = run_distributed(_raw_zbv, 2, timeout=120)  # rank 1 raises; rank 0 then loses its peer
+        assert all(errors) and any("Pair is not connected" in error for error in errors), errors

@@ -82,7 +82,14 @@ def _check_combinations(owner: str, args: dict[str, Any], spec: ScheduleSpec) ->
 
 
 def check_environment(owner: str, strategy: Any, layout: ParallelLayout) -> None:
-    """What only the devices decide: context parallel."""
+    """What only the devices decide: context parallel, a schedule this torch cannot run on CPU."""
+    spec = SCHEDULES[strategy.schedule]
+    problem = spec.cpu_problem() if layout.pipeline > 1 and strategy.root_device.type == "cpu" else None
+    if problem is not None:
+        raise ValueError(
+            f"{owner}(schedule={spec.name!r}) on CPU: {problem}. Fix: upgrade torch, run on GPUs, or choose"
+            " schedule='interleaved_1f1b'."
+        )
     cp = strategy.context_parallel
     if cp > 1:
         reason = (

@@ -13,8 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from packaging.version import Version
 
 __all__ = ["SCHEDULES", "ScheduleName", "ScheduleSpec", "analytic_bubble", "valid_microbatches"]
+
+#: torch releases before this one start a V schedule with a send between the two stages one rank holds, which gloo (the
+#: CPU backend) cannot make ("Pair is not connected"): checked failing on 2.11, working on 2.14. A test pins the failure
+#: (``test_accel_parallel_guards.py``), so a torch that fixes it is noticed.
+V_ON_GLOO_SINCE = Version("2.14")
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev"]
 
@@ -51,6 +57,15 @@ class ScheduleSpec:
                 f" {torch.__version__} does not have. Fix: upgrade torch, or choose schedule='1f1b'."
             )
         return cls
+
+    def cpu_problem(self) -> str | None:
+        """Why this torch cannot run the schedule on CPU processes (gloo), or None."""
+        if self.style == "v" and Version(torch.__version__).release < V_ON_GLOO_SINCE.release:
+            return (
+                f"torch {torch.__version__} starts a V schedule with a send between the two stages of one rank, which"
+                f" gloo (CPU) cannot make; torch {V_ON_GLOO_SINCE} can"
+            )
+        return None
 
     def build(self, owner: str, stages: list[Any], microbatches: int, loss_fn: Callable[..., Any]) -> Any:
         """The schedule over this rank's ``stages``; the loss is normalised by the caller (``scale_grads=False``)."""
