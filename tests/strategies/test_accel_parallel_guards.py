@@ -25,6 +25,8 @@ from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 from tests.helpers.parallel import PipeModel, dataset
 
+V_PROBLEM = SCHEDULES["zbv"].cpu_problem()  # why this torch cannot run the V schedules on CPU, or None
+
 
 def _fit_until_refused(rank: int, world: int, strategy_kwargs: dict[str, Any], loaded: int = 8) -> dict[str, Any]:
     trainer = pl.Trainer(strategy=AccelParallel(**strategy_kwargs),
@@ -59,11 +61,25 @@ def _as_the_process_ends(error: BaseException) -> str:
         (3, {"pipeline_parallel": 2}, "needs a world size that is a multiple of 2, got 3 processes"),
         (2, {"pipeline_parallel": 2, "stage_split": ["blocks.1", "blocks.3"]}, "names 2 stage start(s) for 2 stages"),
         (2, {"pipeline_parallel": 2, "stage_split": ["blocks.9"]}, "'blocks.9' is not a unit of the model"),
-        (2, {"pipeline_parallel": 2, "schedule": "dualpipev", "microbatches": 2}, "DualPipeV needs at least"),
+        pytest.param(
+            2,
+            {"pipeline_parallel": 2, "schedule": "dualpipev", "microbatches": 2},
+            "DualPipeV needs at least",
+            marks=pytest.mark.skipif(V_PROBLEM is not None, reason="refused on CPU by this torch"),
+        ),
         (2, {"pipeline_parallel": 2, "microbatches": 3}, "does not split into 3 equal micro-batches"),
         (2, {"context_parallel": 2}, "no CPU kernel"),
+        (2, {"pipeline_parallel": 2, "global_batch_size": 16}, "one loaded batch, so there is no accumulation"),
     ],
-    ids=["mesh", "split-count", "split-name", "dualpipev-microbatches", "uneven-microbatches", "context-parallel"],
+    ids=[
+        "mesh",
+        "split-count",
+        "split-name",
+        "dualpipev-microbatches",
+        "uneven-microbatches",
+        "context-parallel",
+        "pipeline-accumulation",
+    ],
 )
 def test_refused_before_the_first_step_with_a_fix(world, strategy_kwargs, expected):
     results = run_distributed(_fit_until_refused, world, strategy_kwargs, init_process_group=False)
@@ -152,21 +168,23 @@ def test_torch_zero_bubble_loses_gradients_when_fsdp_reshards_after_forward():
 
 
 def _raw_zbv(rank: int, world: int) -> str | None:
-    """torch's ZBV schedule alone on gloo: two stages per rank in a V (rank 1 holds the adjacent stages 1 and 2)."""
+    """torch's ZBV schedule alone on gloo, as rank 1 of 2 (it holds the adjacent stages 1 and 2 of the V).
+
+    Rank 1's first batch of sends includes one to itself; rank 0 stays out (it would wait for rank 1 forever). A torch
+    that fixed it makes rank 1 wait for rank 0 instead: the run then times out, and the pin fails too.
+    """
     from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
-    torch.manual_seed(0)
+    if rank == 0:
+        return None
     layers = [nn.Linear(4, 4) for _ in range(4)]
-    stages = [PipelineStage(layers[i], i, 4, torch.device("cpu")) for i in (rank, 3 - rank)]
+    stages = [PipelineStage(layers[i], i, 4, torch.device("cpu")) for i in (1, 2)]
     schedule = ScheduleZBVZeroBubble(stages, 4, loss_fn=lambda out, y: (out - y).square().mean(), scale_grads=False)
     try:
-        schedule.step(torch.randn(8, 4), target=torch.randn(8, 4), losses=[]) if rank == 0 else schedule.step()
+        schedule.step()
     except RuntimeError as err:
         return str(err)
-    return None
-
-
-V_PROBLEM = SCHEDULES["zbv"].cpu_problem()
+    return "ran"
 
 
 @pytest.mark.skipif(V_PROBLEM is None, reason=f"torch {torch.__version__} runs the V schedules on gloo")
@@ -178,5 +196,5 @@ def test_v_schedules_are_refused_on_cpu_where_torch_cannot_run_them(schedule):
         assert f"schedule='{schedule}') on CPU: torch {torch.__version__} starts a V schedule" in result["error"]
         assert "Fix: upgrade torch" in result["error"] and result["steps"] == 0
     if schedule == "zbv":  # the pin: torch itself fails there. When this passes, lower V_ON_GLOO_SINCE to this torch.
-        errors = run_distributed(_raw_zbv, 2, timeout=120)  # rank 1 raises; rank 0 then loses its peer
-        assert all(errors) and any("Pair is not connected" in error for error in errors), errors
+        error = run_distributed(_raw_zbv, 2, timeout=120)[1]
+        assert "Pair is not connected" in error, error
