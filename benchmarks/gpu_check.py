@@ -28,6 +28,8 @@ part2 (ViT-B/16 at ``min(--batch, 128)``, 3 warm-up and 10 timed steps, fused Ad
 9. ``fp8`` (``_gpu_checks_fp8.py``): ``"fp8-mixed"`` converts on FP8 tensor cores (capability >= 8.9) with finite
    losses; compiled FP8 must beat compiled bf16 on a model wide enough for FP8 to pay off (ViT-B/16 eager as INFO);
    and a ViT batch of 3 (591 rows) trains, which ``torch._scaled_mm`` takes only padded.
+10. ``parallel`` (``_gpu_checks_parallel.py``): AccelParallel's pipeline parts on one GPU: a stage under compile and
+    FP8 trains with finite losses close to eager bf16's, and the bubble meter times on CUDA events.
 
 ``--dry-run`` runs the same code on CPU with tiny shapes (gloo, host-read counts, ``aot_eager``, emulated FP8, no
 allocator); what only a GPU can judge is INFO. Results are written to ``--out`` (JSON and a markdown table) after
@@ -70,11 +72,12 @@ CHECK_MODULES = (
     "_gpu_checks_syncbn",
     "_gpu_checks_training",
     "_gpu_checks_fp8",
+    "_gpu_checks_parallel",
 )
 #: Two calls of the lent machine, each well under 8 minutes on an H200 (estimates in benchmarks/README.md).
 PARTS = {
     "part1": ("loss_scaling", "syncs", "vit", "syncbn", "memory", "micro_batch_auto"),
-    "part2": ("fsdp", "compile", "fp8"),
+    "part2": ("fsdp", "compile", "fp8", "parallel"),
 }
 
 

@@ -36,11 +36,13 @@ from lit_accel.protocols import (
     BusBytes,
     CommStats,
     CommStatsProvider,
+    PipelineBubble,
+    PipelineBubbleStats,
     ScalerStats,
     ScalerStatsProvider,
     SkippedStepRecord,
 )
-from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParts
+from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, PipelineLoss
 from lit_accel.strategies.batch_plan import BatchPlan
 from lit_accel.utilities._warnings import install as _install_warning_format
 
@@ -49,6 +51,7 @@ _install_warning_format()  # our warnings on one line, without the source line (
 __all__ = [
     "AccelDDP",
     "AccelFSDP",
+    "AccelParallel",
     "AccelParts",
     "AccelPrecision",
     "AccelSyncBatchNorm",
@@ -67,6 +70,9 @@ __all__ = [
     "MemoryMeter",
     "MemoryMonitor",
     "NonFiniteGuard",
+    "PipelineBubble",
+    "PipelineBubbleStats",
+    "PipelineLoss",
     "ProgressWatchdog",
     "ScalerStats",
     "ScalerStatsProvider",

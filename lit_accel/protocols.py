@@ -19,6 +19,8 @@ __all__ = [
     "CommStats",
     "CommStatsProvider",
     "ExposedComm",
+    "PipelineBubble",
+    "PipelineBubbleStats",
     "ScalerStats",
     "ScalerStatsProvider",
     "SkippedStepRecord",
@@ -132,4 +134,34 @@ class CommStatsProvider(Protocol):
     @property
     def comm_stats(self) -> CommStats:
         """The strategy's counters."""
+        ...
+
+
+class PipelineBubble(NamedTuple):
+    """One rank's time in a pipeline schedule over a logging window, in seconds (host numbers).
+
+    ``busy_s``: inside the stage's compute actions; ``wall_s``: inside the schedule's steps; ``analytic_idle_s``: the
+    idle time the schedule itself implies for this rank with the same action durations (no communication, equal
+    stages). The measured bubble is ``1 - busy_s / wall_s``, the analytic one ``analytic_idle_s / wall_s``.
+    """
+
+    busy_s: float
+    wall_s: float
+    analytic_idle_s: float
+
+
+@runtime_checkable
+class PipelineBubbleStats(Protocol):
+    """Optional, on a ``CommStats`` of a strategy that runs a pipeline schedule (AccelParallel's).
+
+    With it the ``EfficiencyMonitor`` logs ``pipeline_bubble_frac`` (measured) beside ``pipeline_bubble_frac_analytic``.
+    """
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a pipeline schedule runs the steps (``False``: the strategy has no pipeline dimension)."""
+        ...
+
+    def pop_pipeline_bubble(self) -> PipelineBubble | None:
+        """This rank's numbers since the previous call (``None``: no pipeline). Logging steps only: may sync."""
         ...

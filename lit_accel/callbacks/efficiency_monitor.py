@@ -21,7 +21,7 @@ from lit_accel.meters._efficiency_metrics import checked_peak_flops
 from lit_accel.meters._plots import efficiency_figure, save_report
 from lit_accel.meters.efficiency import EfficiencyMeter
 from lit_accel.meters.tables import comm_note, efficiency_table, peaks_caption
-from lit_accel.protocols import CommStatsProvider
+from lit_accel.protocols import CommStatsProvider, PipelineBubbleStats
 from lit_accel.utilities._compat import batches_that_stepped
 from lit_accel.utilities._peak_flops import PeakLookup, cuda_device_facts, lookup_peaks, matmul_precision
 from lit_accel.utilities._validation import check_int, check_number
@@ -166,6 +166,10 @@ class EfficiencyMonitor(Callback):
             self._look_up_peaks(trainer)
         device = trainer.strategy.root_device
         counting = self._flops_per_sample is None and self.count_flops
+        stats = getattr(trainer.strategy, "comm_stats", None)
+        if counting and isinstance(stats, PipelineBubbleStats) and stats.pipelined:
+            counting = False  # FlopCounterMode's module hooks break torch's pipeline stages (their autograd.grad)
+            rank_zero_info("EfficiencyMonitor: no FLOP count under a pipeline schedule. Fix: pass flops_per_sample.")
         strategy = trainer.strategy
         self.meter = EfficiencyMeter(
             device,

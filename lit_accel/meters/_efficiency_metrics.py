@@ -14,7 +14,15 @@ from lit_accel.meters._stragglers import straggler_metrics
 from lit_accel.utilities._peak_flops import ideal_seconds, mfu
 from lit_accel.utilities._validation import check_number
 
-__all__ = ["EfficiencyConfig", "MfuIssue", "RankWindow", "checked_peak_flops", "dtype_shares", "window_metrics"]
+__all__ = [
+    "EfficiencyConfig",
+    "MfuIssue",
+    "RankWindow",
+    "checked_peak_flops",
+    "dtype_shares",
+    "pipeline_metrics",
+    "window_metrics",
+]
 
 # Cumulative counters (and the memory peak): a run's total is their maximum, not their sum.
 _MAXIMA = frozenset({"peak_memory_bytes", "compiles", "recompiles", "warm_recompiles"})
@@ -42,6 +50,9 @@ class RankWindow:
     compiles: float = 0.0  # torch.compile compilations since the meter's reset (cumulative)
     recompiles: float = 0.0  # ... of them recompilations
     warm_recompiles: float = 0.0  # recompilations since the warm-up ended
+    pipeline_busy_s: float = 0.0  # in a pipeline stage's compute actions (PipelineBubbleStats)
+    pipeline_wall_s: float = 0.0  # in the pipeline schedule's steps
+    pipeline_idle_s: float = 0.0  # the idle time the schedule implies for the same action durations (analytic)
 
     def vector(self) -> list[float]:
         """The fields in declaration order, for one collective."""
@@ -154,7 +165,27 @@ def window_metrics(
         out["recompiles"] = max(r.recompiles for r in rows)
     if n > 1:
         out.update(straggler_metrics(rows, has_exposed, config.straggler_threshold).metrics())
+    out.update(pipeline_metrics(rows))
     return out, issue
+
+
+def pipeline_metrics(rows: list[RankWindow], per_rank_up_to: int = 64) -> dict[str, float]:
+    """The pipeline bubble, ``1 - busy / wall`` per rank: mean, max, analytic mean; each rank's up to 64 ranks.
+
+    Empty without a pipeline (no rank timed a schedule step).
+    """
+    ranks = [(i, r) for i, r in enumerate(rows) if r.pipeline_wall_s > 0]
+    if not ranks:
+        return {}
+    measured = {i: 1.0 - r.pipeline_busy_s / r.pipeline_wall_s for i, r in ranks}
+    out = {
+        "pipeline_bubble_frac": sum(measured.values()) / len(ranks),
+        "pipeline_bubble_frac_max": max(measured.values()),
+        "pipeline_bubble_frac_analytic": sum(r.pipeline_idle_s / r.pipeline_wall_s for _, r in ranks) / len(ranks),
+    }
+    if len(rows) <= per_rank_up_to:
+        out.update({f"pipeline_bubble_frac_rank{i}": value for i, value in measured.items()})
+    return out
 
 
 def checked_peak_flops(owner: str, value: object, fix: str) -> float | dict[str, float] | None:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lit_accel.meters._efficiency_metrics import EfficiencyConfig, RankWindow, checked_peak_flops, window_metrics
 from lit_accel.meters._stragglers import StragglerWatch, gather_hostnames
-from lit_accel.protocols import BusBytes, ExposedComm
+from lit_accel.protocols import BusBytes, ExposedComm, PipelineBubbleStats
 from lit_accel.utilities._compat import all_gather_flat, dynamo_compile_counts
 from lit_accel.utilities._timing import IntervalTimer, synchronize
 from lit_accel.utilities._validation import check_int, check_number
@@ -268,6 +268,8 @@ class EfficiencyMeter:
             self.comm_stats.pop_elapsed_s()  # drop the warm-up collectives
             if isinstance(self.comm_stats, ExposedComm):
                 self.comm_stats.pop_exposed_s()
+            if isinstance(self.comm_stats, PipelineBubbleStats):
+                self.comm_stats.pop_pipeline_bubble()
 
     # ------------------------------------------------------------------ logging steps
 
@@ -308,6 +310,8 @@ class EfficiencyMeter:
             w.comm_s = float(self.comm_stats.pop_elapsed_s())
             if isinstance(self.comm_stats, ExposedComm):
                 w.comm_exposed_s = float(self.comm_stats.pop_exposed_s())
+            if isinstance(self.comm_stats, PipelineBubbleStats) and (bubble := self.comm_stats.pop_pipeline_bubble()):
+                w.pipeline_busy_s, w.pipeline_wall_s, w.pipeline_idle_s = bubble
         rows = self._gather(w, dtype)
         window_s = max(r.window_s for r in rows)
         metrics = self._metrics(rows, window_s)

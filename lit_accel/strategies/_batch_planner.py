@@ -10,7 +10,7 @@ steps the run takes. The data-parallel size and group are arguments: a strategy 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,16 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["BatchPlanner"]
+
+
+class _Where(NamedTuple):
+    """What :meth:`BatchPlanner.resolve` was told about the ranks and the split, for reloads."""
+
+    ranks: int = 1
+    group: Any = None
+    device: torch.device = torch.device("cpu")
+    even: bool = False
+    count: int | None = None  # micro-batches per loaded batch (a pipeline's), instead of micro_batch_size
 
 
 class BatchPlanner:
@@ -57,7 +67,7 @@ class BatchPlanner:
         self._user_accumulation = 1  # the Trainer's setting before the plan wrote it
         self._written: int | None = None  # the accumulation this planner wrote to the Trainer
         self._loader: Any = None  # the train dataloader(s) the plan was read from
-        self._where: tuple[int, Any, torch.device, bool] = (1, None, torch.device("cpu"), False)
+        self._where = _Where()
 
     def resolve(
         self,
@@ -67,20 +77,22 @@ class BatchPlanner:
         group: Any = None,
         device: torch.device,
         even_micro_batches: bool = False,
+        micro_batches: int | None = None,
     ) -> BatchPlan | None:
         """At the start of the strategy's ``setup``: the plan of this fit, applied and announced (``None``: not known).
 
-        With ``global_batch_size`` or ``micro_batch_size`` the train dataloader is loaded now (as
-        ``estimated_stepping_batches`` would); a global batch size is agreed on by the ``group``'s ranks, and every
-        rank raises the same error for a plan that cannot be made. With neither, there is no plan (``None``).
+        With ``global_batch_size``, ``micro_batch_size`` or ``micro_batches`` (the strategy's count of equal
+        micro-batches per loaded batch, e.g. a pipeline's; it wins over ``micro_batch_size``) the train dataloader is
+        loaded now (as ``estimated_stepping_batches`` would); a global batch size is agreed on by the ``group``'s
+        ranks, and every rank raises the same error for a plan that cannot be made. With none, there is no plan.
         """
         self.plan, self._loader = None, None
-        self._where = (data_parallel_size, group, device, even_micro_batches)
+        self._where = _Where(data_parallel_size, group, device, even_micro_batches, micro_batches)
         if trainer.state.fn != TrainerFn.FITTING:
             return None
         if trainer.accumulate_grad_batches != self._written:  # a value this planner wrote is not the user's
             self._user_accumulation = trainer.accumulate_grad_batches
-        if self.global_batch_size is None and self.micro_batch_size is None:
+        if self.global_batch_size is None and self.micro_batch_size is None and micro_batches is None:
             return None
         if self.global_batch_size is not None and any(
             isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks
@@ -104,7 +116,9 @@ class BatchPlanner:
                     f" plan ({planned.describe()}), on which the step count and schedulers rest. Fix: keep"
                     f" batch_size={planned.loaded_batch_size} when reloading."
                 )
-            if plan is not None and planned.micro_batch_size < plan.loaded_batch_size:
+            if plan is not None and self._where.count is not None:
+                self.plan = plan  # split into the same count
+            elif plan is not None and planned.micro_batch_size < plan.loaded_batch_size:
                 self.plan = plan.with_micro_batch_size(planned.micro_batch_size)  # an "auto" choice stays
 
     def choose_micro_batch_size(self, size: int) -> BatchPlan | None:
@@ -116,7 +130,7 @@ class BatchPlanner:
         return self.plan
 
     def _read(self, trainer: pl.Trainer, first: bool = True) -> BatchPlan | None:
-        ranks, group, device, even = self._where
+        ranks, group, device, even, count = self._where
         self._loader = loaders = trainer.train_dataloader
         if loaders is None:
             return None  # no training (limit_train_batches=0, no training_step): nothing to plan
@@ -129,7 +143,7 @@ class BatchPlanner:
         accumulation = trainer.accumulate_grad_batches if self.global_batch_size is None else self._user_accumulation
         plan = make_batch_plan(
             self.global_batch_size, loaded, ranks, micro,
-            accumulate_grad_batches=accumulation, even_micro_batches=even, owner=self.owner,
+            accumulate_grad_batches=accumulation, even_micro_batches=even, micro_batches=count, owner=self.owner,
         )  # fmt: skip
         module = trainer.lightning_module
         if plan.accumulate_grad_batches > 1 and not module.automatic_optimization:

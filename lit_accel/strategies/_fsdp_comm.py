@@ -1,4 +1,4 @@
-"""Counters of FSDP2's collectives: every all-gather and reduce-scatter, through FSDP's own custom-comm hooks.
+"""FSDP2's collectives: every all-gather and reduce-scatter counted (FSDP's custom-comm hooks); the reduction switched.
 
 ``FSDPModule.set_custom_all_gather``/``set_custom_reduce_scatter`` take objects that FSDP calls instead of its default
 collectives; lit_accel's forward to the same ``torch.distributed`` calls FSDP would make and add a few Python integer
@@ -11,11 +11,16 @@ Exposed communication (``pop_exposed_s``): off CUDA, FSDP2 issues every collecti
 thread, so the time inside those calls is exactly what overlap did not hide. On CUDA the collectives run on FSDP's
 own streams: the exposed part is the compute stream's wait for the parameters in each pre-forward (two events around
 FSDP's pre-forward hook) plus each backward's last reduce-scatter, which nothing is left to overlap with.
+
+``GradientSync`` switches the gradient reduction of a strategy's outermost FSDP modules off for the non-final backward
+passes of an accumulation window (Lightning's ``block_backward_sync``) and on for one inside it (micro-batching).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +33,7 @@ from lit_accel.utilities._torch_fallbacks import all_gather_single, reduce_scatt
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["FSDPCommStats", "install_counting_comms"]
+__all__ = ["FSDPCommStats", "GradientSync", "install_counting_comms"]
 
 _AllGather, _ReduceScatter = fsdp_comm_base_classes()
 _MAX_ROUNDS = 4096  # rounds kept for pop_exposed_s before the completed ones are folded into a number
@@ -157,3 +162,29 @@ def install_counting_comms(model: nn.Module, stats: FSDPCommStats) -> int:
     if parameter is not None:
         stats.watch_parameter_waits(modules, parameter.device)
     return len(modules)
+
+
+class GradientSync:
+    """Whether the backward reduces gradients over FSDP ``roots`` (its only writer); switched for a block."""
+
+    def __init__(self) -> None:
+        #: The outermost FSDP modules, whose ``set_requires_gradient_sync`` covers the modules inside them.
+        self.roots: list[Any] = []
+        #: Whether a backward now keeps its gradients local (inside a switched-off block).
+        self.blocked = False
+
+    @contextmanager
+    def switched(self, on: bool) -> Generator[None, None, None]:
+        """The reduction on or off inside, as it was after (nested: already as asked, left alone)."""
+        if self.blocked != on or not self.roots:
+            yield
+            return
+        for module in self.roots:
+            module.set_requires_gradient_sync(on)
+        self.blocked = not on
+        try:
+            yield
+        finally:
+            self.blocked = on
+            for module in self.roots:
+                module.set_requires_gradient_sync(not on)

@@ -17,7 +17,7 @@ from typing_extensions import override
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies._backend import check_backend_spec, resolve_backend
-from lit_accel.strategies._fsdp_comm import FSDPCommStats, install_counting_comms
+from lit_accel.strategies._fsdp_comm import FSDPCommStats, GradientSync, install_counting_comms
 from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.utilities import _compat
 from lit_accel.utilities._validation import check_bool, check_choice
@@ -168,8 +168,7 @@ class AccelFSDP(_RootCalls):
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
         self._comm_stats = FSDPCommStats()
-        self._sync_blocked = False
-        self._fsdp_roots: list[Any] = []  # the outermost FSDP modules, whose gradient sync accumulation switches off
+        self._sync = GradientSync()  # FSDP's gradient reduction, off for a window's non-final micro-batches
         #: The modules ``fully_shard`` was applied to by this strategy (empty when ``configure_model`` sharded).
         self.sharded_modules: list[torch.nn.Module] = []
 
@@ -231,7 +230,7 @@ class AccelFSDP(_RootCalls):
         if not any(isinstance(m, FSDPModule) for m in model.modules()):
             self._shard(model)
         install_counting_comms(model, self._comm_stats)
-        self._fsdp_roots = _top_fsdp_modules(model)
+        self._sync.roots = _top_fsdp_modules(model)
         self.barrier()
         return model
 
@@ -265,28 +264,12 @@ class AccelFSDP(_RootCalls):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches accumulate unsharded gradients locally: no reduce-scatter."""
         # (nested, a micro-batch inside Lightning's window: already off, and the outer one turns it back on)
-        with self._gradient_sync(False):
+        with self._sync.switched(False):
             yield
 
     def gradient_sync(self) -> AbstractContextManager[None]:
         """The backward run inside reduce-scatters, even within Lightning's accumulation window."""
-        return self._gradient_sync(True)
-
-    @contextmanager
-    def _gradient_sync(self, on: bool) -> Generator[None, None, None]:
-        """FSDP's gradient reduction on or off inside, as it was after."""
-        if self._sync_blocked != on:  # already as asked
-            yield
-            return
-        for module in self._fsdp_roots:
-            module.set_requires_gradient_sync(on)
-        self._sync_blocked = not on
-        try:
-            yield
-        finally:
-            self._sync_blocked = on
-            for module in self._fsdp_roots:
-                module.set_requires_gradient_sync(not on)
+        return self._sync.switched(True)
 
     def forward_collective(self) -> str | None:
         """What makes a collective in the model's forward: FSDP's all-gathers, always (``"auto"`` measures)."""
@@ -303,7 +286,7 @@ class AccelFSDP(_RootCalls):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        if not self._sync_blocked:
+        if not self._sync.blocked:
             self._comm_stats.rounds += 1  # this backward reduce-scattered every group
 
     @override

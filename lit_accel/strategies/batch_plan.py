@@ -93,6 +93,7 @@ def make_batch_plan(
     *,
     accumulate_grad_batches: int = 1,
     even_micro_batches: bool = False,
+    micro_batches: int | None = None,
     owner: str = "AccelDDP",
 ) -> BatchPlan:
     """Make the plan, or say in one error which size is wrong and the nearest valid choices.
@@ -104,11 +105,14 @@ def make_batch_plan(
         micro_batch_size: chunk size each loaded batch is split into; ``None``: not split.
         accumulate_grad_batches: the Trainer's setting; with ``global_batch_size`` it must be 1 or the same.
         even_micro_batches: require ``micro_batch_size`` to divide the loaded batch (pipeline schedules).
+        micro_batches: split each loaded batch into this many equal micro-batches instead (a pipeline's count; it
+            must divide the loaded batch, and wins over ``micro_batch_size``).
         owner: the class named in error messages.
 
     Raises:
         ValueError: a size that is not a positive int; a micro-batch larger than the loaded batch (or, with
-            ``even_micro_batches``, not dividing it); a global batch that is not a positive multiple of
+            ``even_micro_batches``, not dividing it); a ``micro_batches`` count that does not divide the loaded batch; a
+            global batch that is not a positive multiple of
             ``loaded x data_parallel_size``; an accumulation that contradicts the global batch.
 
     Example::
@@ -119,6 +123,8 @@ def make_batch_plan(
     loaded = _positive(owner, "loaded_batch_size", loaded_batch_size)
     ranks = _positive(owner, "data_parallel_size", data_parallel_size)
     user_accumulation = _positive(owner, "accumulate_grad_batches", accumulate_grad_batches)
+    if micro_batches is not None:
+        micro_batch_size = _micro_of_count(owner, _positive(owner, "micro_batches", micro_batches), loaded)
     micro = loaded if micro_batch_size is None else _positive(owner, "micro_batch_size", micro_batch_size)
     _check_micro(owner, micro, loaded, even_micro_batches)
     if global_batch_size is None:
@@ -152,6 +158,16 @@ def _check_micro(owner: str, micro: int, loaded: int, even: bool) -> None:
             f"{owner}(micro_batch_size={micro}) does not divide the loaded batch of {loaded} into equal micro-batches."
             f" Fix: micro_batch_size={choices}."
         )
+
+
+def _micro_of_count(owner: str, count: int, loaded: int) -> int:
+    if loaded % count:
+        choices = " or ".join(map(str, nearest_divisors(loaded, count)))
+        raise ValueError(
+            f"{owner}: a loaded batch of {loaded} samples does not split into {count} equal micro-batches. Fix:"
+            f" {choices} micro-batches per loaded batch, or a loader batch_size that is a multiple of {count}."
+        )
+    return loaded // count
 
 
 def _accumulation(owner: str, global_size: int, loaded: int, ranks: int) -> int:

@@ -148,21 +148,30 @@ class AccelParts:
     # ------------------------------------------------------------------ called from the strategy's hooks
 
     def setup(
-        self, strategy: ParallelStrategy, trainer: pl.Trainer, *, data_parallel_size: int, group: Any = None
+        self,
+        strategy: ParallelStrategy,
+        trainer: pl.Trainer,
+        *,
+        data_parallel_size: int,
+        group: Any = None,
+        micro_batches: int | None = None,
+        splits_batches: bool = False,
     ) -> BatchPlan | None:
         """First in the strategy's ``setup``: the plan (before ``configure_optimizers``), micro-batching, the rest.
 
         Also an empty window, the watchdog and the SyncBN plugin. ``data_parallel_size``/``group``: the ranks that load
-        different data.
+        different data. ``splits_batches``: the strategy runs the plan's micro-batches itself, which must then be equal
+        (a pipeline schedule), in ``micro_batches`` per loaded batch if given; no ``MicroBatching`` then.
         """
         self._trainer = trainer
         if trainer.state.fn != TrainerFn.FITTING:
             return None
         add_hang_watchdog(trainer, self.hang_timeout)  # report-only unless hang_timeout is set
         device, module = strategy.root_device, strategy.lightning_module
-        plan = self.planner.resolve(trainer, data_parallel_size=data_parallel_size, group=group, device=device)
+        plan = self.planner.resolve(trainer, data_parallel_size=data_parallel_size, group=group, device=device,
+                                    even_micro_batches=splits_batches, micro_batches=micro_batches)  # fmt: skip
         self.window.new_fit()
-        self.micro = self._micro_batching(plan, module, strategy.num_processes)
+        self.micro = None if splits_batches else self._micro_batching(plan, module, strategy.num_processes)
         set_layer_sync(strategy, self.batchnorm_sync.resolve(get_layer_sync(strategy), module, strategy.world_size))
         return plan
 

@@ -651,9 +651,9 @@ def test_strategies_add_a_report_only_watchdog_by_default_and_end_jobs_only_when
 
     import lightning.pytorch as pl
 
-    from lit_accel import AccelDDP, AccelFSDP
+    from lit_accel import AccelDDP, AccelFSDP, AccelParallel
 
-    for cls in (AccelDDP, AccelFSDP):  # no hang argument: nothing may end the job
+    for cls in (AccelDDP, AccelFSDP, AccelParallel):  # no hang argument: nothing may end the job
         assert inspect.signature(cls).parameters["hang_timeout"].default is None
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
     add_hang_watchdog(trainer, None)

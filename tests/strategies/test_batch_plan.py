@@ -101,6 +101,26 @@ def test_even_micro_batches_divide_the_loaded_batch_or_name_the_nearest(loaded: 
     assert make_batch_plan(None, loaded, 1, micro).micro_batches == math.ceil(loaded / micro)  # uneven is fine else
 
 
+@settings(max_examples=200, deadline=None)
+@given(loaded=st.integers(1, 256), count=st.integers(1, 300), ranks=st.integers(1, 8))
+def test_a_micro_batch_count_splits_the_loaded_batch_equally_or_names_the_nearest(
+    loaded: int, count: int, ranks: int
+) -> None:
+    # a pipeline's count: it wins over micro_batch_size and never feeds the accumulation
+    if loaded % count == 0:
+        plan = make_batch_plan(loaded * ranks, loaded, ranks, 1, micro_batches=count)
+        assert plan == BatchPlan(loaded * ranks, loaded, loaded // count, count, 1, ranks)
+        return
+    with pytest.raises(ValueError) as info:
+        make_batch_plan(None, loaded, ranks, micro_batches=count)
+    choices = _divisors_brute_force(loaded, count)
+    message = str(info.value)
+    assert f"a loaded batch of {loaded} samples does not split into {count} equal micro-batches." in message
+    assert f"Fix: {' or '.join(map(str, choices))} micro-batches per loaded batch" in message
+    for choice in choices:
+        assert make_batch_plan(None, loaded, ranks, micro_batches=choice).micro_batches == choice
+
+
 def test_without_a_global_batch_the_trainers_accumulation_is_kept() -> None:
     plan = make_batch_plan(None, 16, 4, 4, accumulate_grad_batches=3)
     assert plan == BatchPlan(192, 16, 4, 4, 3, 4)
@@ -119,6 +139,8 @@ def test_plan_rejects_non_positive_int_sizes(bad: object) -> None:
     if bad is not None:
         with pytest.raises(ValueError, match=r"micro_batch_size must be a positive int"):
             make_batch_plan(32, 16, 2, bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"micro_batches must be a positive int"):
+            make_batch_plan(32, 16, 2, micro_batches=bad)  # type: ignore[arg-type]
 
 
 def test_with_micro_batch_size_keeps_the_step() -> None:

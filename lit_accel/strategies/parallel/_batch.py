@@ -1,0 +1,44 @@
+"""The global-batch rule under a pipeline dimension, on top of the shared batch plan (``BatchPlanner``).
+
+One optimizer step is one ``schedule.step()`` over one loaded batch per data-parallel rank, so
+``global batch = loaded batch x data-parallel size`` (no accumulation), and the loaded batch is split into equal
+pipeline micro-batches: the plan is resolved with ``micro_batches=`` this count (or ``micro_batch_size``) and
+``even_micro_batches``. Accumulating over several loaded batches would need several ``step()`` calls, and FSDP
+reductions, per optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lit_accel.strategies.batch_plan import BatchPlan
+
+__all__ = ["check_no_accumulation", "pipeline_micro_batches"]
+
+
+def pipeline_micro_batches(microbatches: int | None, micro_batch_size: object, num_stages: int) -> int | None:
+    """The count to plan with: ``microbatches``, else ``None`` if ``micro_batch_size`` splits, else 2 x stages."""
+    if microbatches is not None or micro_batch_size is not None:
+        return microbatches
+    return 2 * num_stages
+
+
+def check_no_accumulation(owner: str, trainer: pl.Trainer, plan: BatchPlan | None) -> None:
+    """Under a pipeline: refuse an accumulation (the plan's, the Trainer's or a scheduler's), naming the loader fix."""
+    accumulation = trainer.accumulate_grad_batches
+    scheduled = any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks)
+    if accumulation == 1 and not scheduled:
+        return
+    what = plan.describe() if plan is not None else f"accumulate_grad_batches={accumulation}"
+    if scheduled:
+        what = "a GradientAccumulationScheduler callback"
+    loader = f"DataLoader(batch_size={plan.loaded_batch_size * accumulation}) and " if plan is not None else ""
+    raise ValueError(
+        f"{owner}: {what}; under a pipeline one optimizer step is one pass over one loaded batch, so there is no"
+        f" accumulation. Fix: {loader}Trainer(accumulate_grad_batches=1), or a larger loader batch_size."
+    )

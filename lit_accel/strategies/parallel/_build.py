@@ -1,0 +1,146 @@
+"""How AccelParallel turns the user's LightningModule into this rank's share: stages kept, TP applied, FSDP applied.
+
+Order (torchtitan's): split into stages and drop the other ranks' units (before materialising, so a model built on
+the meta device only ever allocates its own stage), convert for precision (fp8), tensor-parallelise, compile each
+block (``compile=``), then shard over the data dimension block by block with each stage (or, without a pipeline, each
+top-level unit) as an FSDP root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lit_accel.strategies import _fsdp_sharding as sharding
+from lit_accel.strategies.parallel import _stages, _tensor_plan
+from lit_accel.utilities import _compat
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lit_accel.strategies.parallel._layout import ParallelLayout
+    from lit_accel.strategies.parallel._schedules import ScheduleSpec
+
+__all__ = ["BuildConfig", "ParallelModel", "build_parallel_model"]
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """The strategy's arguments that shape the model."""
+
+    owner: str
+    schedule: ScheduleSpec
+    stages_per_rank: int | None
+    stage_split: Any
+    tensor_plan: Any
+    shard_policy: Any
+    reshard_after_forward: bool
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    #: with ``compile=``: called with the module and its blocks after TP, before FSDP (``AccelParts.compile_blocks``)
+    compile_blocks: Callable[[nn.Module, list[nn.Module]], None] | None = None
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model once built."""
+
+    #: this rank's pipeline stages (empty without a pipeline dimension)
+    stages: list[_stages.StageModule]
+    #: the outermost FSDP modules (their gradient sync is switched off while accumulating)
+    fsdp_roots: list[nn.Module]
+    #: module names tensor-parallelised on this rank
+    tensor_modules: list[str]
+    #: stages in the whole pipeline
+    num_stages: int = 1
+    #: every unit name and the first unit index of each stage (for messages and the docs' table)
+    stage_starts: list[int] = dataclasses.field(default_factory=list)
+
+
+def _check_loose(owner: str, module: nn.Module, layout: ParallelLayout) -> None:
+    loose = _stages.loose_parameters(module)
+    if loose and (layout.pipeline > 1 or layout.data > 1 or layout.tensor > 1):
+        raise ValueError(
+            f"{owner}: parameter {loose[0]!r} belongs to no module unit, so no stage or FSDP group can own it. Fix:"
+            " hold it in a submodule (e.g. an nn.Module wrapping the nn.Parameter)."
+        )
+
+
+def _split(owner: str, module: pl.LightningModule, layout: ParallelLayout, pp_rank: int, config: BuildConfig) -> Any:
+    """Choose the stages, keep this rank's units; returns (stage id -> unit names, num_stages, starts)."""
+    units = _stages.pipeline_units(module)
+    names = [name for name, _ in units]
+    per_rank = config.schedule.stages_per_rank(config.stages_per_rank)
+    num_stages = layout.pipeline * per_rank
+    starts = _stages.split_units(owner, names, units, num_stages, config.stage_split)
+    ranges = _stages.stage_ranges(starts, len(units))
+    local = _stages.local_stage_ids(pp_rank, layout.pipeline, per_rank, config.schedule.style)
+    owned = {sid: [names[i] for i in ranges[sid]] for sid in local}
+    _stages.prune_to(module, units, {name for unit_names in owned.values() for name in unit_names})
+    described = ", ".join(f"stage {s}: {names[r[0]]}..{names[r[-1]]}" for s, r in enumerate(ranges))
+    rank_zero_info(f"{owner}: {num_stages} pipeline stages ({described}).")
+    return owned, num_stages, starts
+
+
+def build_parallel_model(
+    module: pl.LightningModule,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    rank: int,
+    device: torch.device,
+    precision: Any,
+    config: BuildConfig,
+) -> ParallelModel:
+    """Stages, TP and FSDP applied to ``module`` in place for global rank ``rank``; the parts returned."""
+    owner = config.owner
+    _check_loose(owner, module, layout)
+    plan = _tensor_plan.resolve_plan(owner, module, config.tensor_plan, layout.tensor)
+    owned: dict[int, list[str]] = {}
+    num_stages, starts = 1, [0]
+    if layout.pipeline > 1:
+        owned, num_stages, starts = _split(owner, module, layout, layout.coordinates(rank)[0], config)
+    _compat.materialize_distributed_module(module, device)
+    precision.convert_module(module)
+    module.to(device)
+    tensor_modules = _tensor_plan.apply_plan(module, mesh["tensor"], plan) if plan else []
+    # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
+    # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
+    shards = layout.data > 1 or layout.tensor > 1
+    blocks = sharding.find_blocks(owner, module, config.shard_policy) if shards or config.compile_blocks else []
+    if config.compile_blocks is not None:
+        config.compile_blocks(module, blocks)  # this rank's blocks (the other stages' are pruned)
+    stages = [
+        _stages.StageModule(sid, [(name, module.get_submodule(name)) for name in names]) for sid, names in owned.items()
+    ]
+    roots: list[nn.Module] = []
+    if shards:
+        roots = _shard(module, stages, blocks, layout.data_mesh(mesh), config)
+    return ParallelModel(stages, roots, tensor_modules, num_stages, starts)
+
+
+def _shard(
+    module: nn.Module, stages: list[_stages.StageModule], blocks: list[nn.Module], data_mesh: DeviceMesh,
+    config: BuildConfig,
+) -> list:  # fmt: skip
+    """FSDP over the data dimension: blocks first, then each stage (or each top-level unit) as a root."""
+    mp_policy = sharding.mixed_precision_policy(config.param_dtype, config.reduce_dtype)
+    from torch.distributed.fsdp import OffloadPolicy
+
+    kwargs = dict(reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy,
+                  offload_policy=OffloadPolicy(), checkpointed=[])  # fmt: skip
+    if stages:
+        roots: list[nn.Module] = list(stages)
+    else:
+        roots = [unit for _, unit in _stages.pipeline_units(module) if any(True for _ in unit.parameters())]
+    for root in roots:
+        inside = {id(m) for m in root.modules()}
+        own_blocks = [b for b in blocks if id(b) in inside and b is not root]
+        sharding.shard_model(root, data_mesh, own_blocks, **kwargs)
+    return roots

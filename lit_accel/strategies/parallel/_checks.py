@@ -1,0 +1,147 @@
+"""AccelParallel's guards: every configuration it cannot run is refused before the first step, with a fix.
+
+At construction: argument types and combinations. When the world size is known: the mesh. At setup: the model
+(a pipeline needs ``pipeline_loss``) and the precision. At fit start, when the loaded batch is known: the micro-batch
+count for the schedule (an error where torch would refuse it, a warning with the bubble where it merely idles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lit_accel.strategies import _fsdp_sharding as sharding
+from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleSpec, analytic_bubble
+from lit_accel.strategies.parallel._tensor_plan import check_plan
+from lit_accel.utilities._compat import get_layer_sync
+from lit_accel.utilities._validation import check_choice, check_int
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lit_accel.strategies.batch_plan import BatchPlan
+    from lit_accel.strategies.parallel._layout import ParallelLayout
+    from lit_accel.strategies.parallel._pipeline import PipelineRunner
+
+__all__ = ["check_arguments", "check_environment", "check_model", "check_pipeline_batch"]
+
+
+def check_arguments(owner: str, args: dict[str, Any]) -> None:
+    """The constructor's arguments (``locals()`` of ``__init__``)."""
+    for size in ("pipeline_parallel", "tensor_parallel", "data_replicate", "context_parallel"):
+        check_int(owner, size, args[size], example=2)
+    check_int(owner, "microbatches", args["microbatches"], allow_none=True, example=8)
+    check_int(owner, "micro_batch_size", args["micro_batch_size"], allow_none=True, example=4)  # no "auto" yet
+    check_int(owner, "stages_per_rank", args["stages_per_rank"], allow_none=True, example=2)
+    check_choice(owner, "schedule", args["schedule"], tuple(SCHEDULES), "'1f1b'")
+    check_choice(owner, "state_dict_type", args["state_dict_type"], ("full", "sharded"), "'sharded'")
+    check_choice(owner, "start_method", args["start_method"], ("popen", "spawn"), "'popen'")
+    check_plan(owner, args["tensor_plan"])
+    sharding.check_policy(owner, "shard_policy", args["shard_policy"])
+    split = args["stage_split"]
+    if split != "auto" and (isinstance(split, str) or not isinstance(split, Sequence)):
+        raise TypeError(f"{owner}(stage_split={split!r}): expected 'auto' or a list of unit names. Fix: 'auto'.")
+    reshard, dtype = args["reshard_after_forward"], args["reduce_dtype"]
+    if reshard is not None and not isinstance(reshard, bool):
+        raise TypeError(f"{owner}(reshard_after_forward={reshard!r}): expected True, False or None. Fix: None.")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{owner}(reduce_dtype={dtype!r}): expected a torch.dtype or None. Fix: torch.float32.")
+    _check_combinations(owner, args, SCHEDULES[args["schedule"]])
+
+
+def _check_combinations(owner: str, args: dict[str, Any], spec: ScheduleSpec) -> None:
+    pipelined = args["pipeline_parallel"] > 1
+    if pipelined:
+        spec.torch_schedule(owner)  # a schedule this torch lacks is refused now, naming the version
+    per_rank = args["stages_per_rank"]
+    if per_rank is not None and spec.fixed_stages_per_rank not in (None, per_rank):
+        raise ValueError(
+            f"{owner}(schedule={spec.name!r}, stages_per_rank={per_rank}): this schedule holds"
+            f" {spec.fixed_stages_per_rank} stage(s) per rank. Fix: drop stages_per_rank, or use 'interleaved_1f1b'."
+        )
+    if pipelined and spec.split_backward and args["reshard_after_forward"]:
+        # torch: the last stage's gradients stay None (InterleavedZeroBubble, ZBV); DualPipeV's are off by 6e-2.
+        raise ValueError(
+            f"{owner}(schedule={spec.name!r}, reshard_after_forward=True): split-backward schedules need each stage's"
+            " parameters kept from forward to the weight gradient; resharding after forward loses them. Fix:"
+            " reshard_after_forward=None (False under a pipeline)."
+        )
+    if pipelined and args["state_dict_type"] == "full":
+        raise ValueError(
+            f"{owner}(pipeline_parallel={args['pipeline_parallel']}, state_dict_type='full'): a full checkpoint is"
+            " gathered on rank 0, which holds one stage. Fix: state_dict_type='sharded' (it resumes under any layout)."
+        )
+    if pipelined and args["partial_window"] != "mean":
+        raise ValueError(
+            f"{owner}(partial_window={args['partial_window']!r}) under a pipeline: every step is normalised over its"
+            " own samples. Fix: partial_window='mean'."
+        )
+
+
+def check_environment(owner: str, strategy: Any, layout: ParallelLayout) -> None:
+    """What only the devices decide: context parallel, a schedule this torch cannot run on CPU."""
+    spec = SCHEDULES[strategy.schedule]
+    problem = spec.cpu_problem() if layout.pipeline > 1 and strategy.root_device.type == "cpu" else None
+    if problem is not None:
+        raise ValueError(
+            f"{owner}(schedule={spec.name!r}) on CPU: {problem}. Fix: upgrade torch, run on GPUs, or choose"
+            " schedule='interleaved_1f1b'."
+        )
+    cp = strategy.context_parallel
+    if cp > 1:
+        reason = (
+            "its attention backward has no CPU kernel (_scaled_dot_product_flash_attention_for_cpu_backward has no"
+            " sharding strategy)"
+            if strategy.root_device.type == "cpu"
+            else "AccelParallel does not shard sequences yet"
+        )
+        raise ValueError(f"{owner}(context_parallel={cp}): {reason}. Fix: context_parallel=1.")
+
+
+def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: ParallelLayout, spec: Any) -> None:
+    """What the model and precision must offer for the layout."""
+    if layout.pipeline > 1 and not callable(getattr(module, "pipeline_loss", None)):
+        raise TypeError(
+            f"{owner}(pipeline_parallel={layout.pipeline}) needs {type(module).__name__}.pipeline_loss(output, target)"
+            " returning the mean loss of a micro-batch (the last stage computes it; training_step is not used)."
+            " Fix: define pipeline_loss."
+        )
+    if get_layer_sync(strategy) is not None:
+        raise ValueError(
+            f"{owner}: Trainer(sync_batchnorm=True) or a LayerSync plugin, which AccelParallel does not apply yet."
+            " Fix: drop it (BatchNorm statistics then stay per rank)."
+        )
+    precision = getattr(strategy.precision_plugin, "precision", None)
+    if precision == "fp8-mixed" and layout.tensor > 1:
+        raise ValueError(
+            f"{owner}(tensor_parallel={layout.tensor}) with fp8-mixed: float8 Linear layers need torchao's float8"
+            " tensor-parallel styles, which AccelParallel does not apply. Fix: bf16-mixed, or tensor_parallel=1."
+        )
+    if precision == "16-mixed" and not _scaler_ok(strategy.precision_plugin):
+        raise ValueError(
+            f"{owner}: 16-mixed needs a loss scaler on the precision plugin. Fix: AccelPrecision('16-mixed')."
+        )
+
+
+def _scaler_ok(plugin: Any) -> bool:
+    scaler = getattr(plugin, "scaler", None)
+    return scaler is not None and isinstance(scaler, torch.amp.GradScaler)
+
+
+def check_pipeline_batch(owner: str, pipeline: PipelineRunner, plan: BatchPlan) -> None:
+    """The loaded batch against the schedule: refuse what torch refuses, warn when micro-batches leave stages idle."""
+    problem = pipeline.check_batch(plan.loaded_batch_size)
+    if problem is not None:
+        raise ValueError(
+            f"{owner}(schedule={pipeline.spec.name!r}, microbatches={plan.micro_batches}): {problem}. Fix: more"
+            f" micro-batches (at least {pipeline.num_stages}), i.e. microbatches= or a larger loader batch_size."
+        )
+    if plan.micro_batches < pipeline.num_stages:
+        bubble = analytic_bubble(pipeline.spec, plan.micro_batches, pipeline.pipeline, pipeline.stages_per_rank)
+        rank_zero_warn(
+            f"{owner}: {plan.micro_batches} micro-batches for {pipeline.num_stages} pipeline stages leaves each rank"
+            f" idle about {bubble:.0%} of a step (the bubble). Fix: at least {pipeline.num_stages} micro-batches."
+        )

@@ -1,0 +1,148 @@
+"""Tensor-parallel plans: module name -> style, given by the user or found (``"auto"``) for the common pairs.
+
+``"auto"`` finds two patterns (Megatron-LM's split, Shoeybi et al., 2019, section 3): an MLP, a ``Linear`` registered
+right after another (only parameter-free modules, such as an activation, between them) whose input width is the first
+one's output width (the first column-wise, the second row-wise, so the pair
+needs one all-reduce in forward and one in backward); and attention, ``Linear`` children named like query, key and
+value projections (column-wise) with an output projection (row-wise), the module's head count divided by the tensor
+size so that its reshapes see the local heads. Anything else stays replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["TensorPlan", "apply_plan", "auto_plan", "check_plan", "resolve_plan"]
+
+TensorPlan = Literal["auto"] | Mapping[str, Any] | None
+_STYLE_NAMES = ("colwise", "rowwise", "sequence")
+_QKV = (("q", "k", "v"), ("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"))
+_OUT = ("o", "o_proj", "out_proj", "wo", "proj", "out", "dense")
+_HEADS = ("num_heads", "n_heads", "n_head", "nheads", "num_attention_heads")
+
+
+def _is_style(value: Any) -> bool:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return value in _STYLE_NAMES or isinstance(value, ParallelStyle)
+
+
+def check_plan(owner: str, plan: object) -> None:
+    """Check ``tensor_plan``'s shape at construction.
+
+    Raises:
+        TypeError: not ``"auto"``, ``None`` or a mapping of names to styles.
+    """
+    if plan is None or plan == "auto":
+        return
+    if not isinstance(plan, Mapping) or not all(isinstance(k, str) and _is_style(v) for k, v in plan.items()):
+        raise TypeError(
+            f"{owner}(tensor_plan={plan!r}): expected 'auto', None or a dict of module name -> 'colwise', 'rowwise',"
+            " 'sequence' or a torch ParallelStyle. Fix: e.g. {'blocks.0.fc1': 'colwise', 'blocks.0.fc2': 'rowwise'}."
+        )
+
+
+def _style(value: Any) -> Any:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    named = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    return named[value]() if isinstance(value, str) else value
+
+
+def _attention(module: nn.Module) -> tuple[list[str], str] | None:
+    linears = {name for name, child in module.named_children() if isinstance(child, nn.Linear)}
+    for qkv in _QKV:
+        out = next((name for name in _OUT if name in linears), None)
+        if set(qkv) <= linears and out is not None:
+            return list(qkv), out
+    return None
+
+
+def _mlp_pairs(module: nn.Module, tensor: int) -> list[tuple[str, str]]:
+    """Linear children registered one after the other with only parameter-free modules between (an activation)."""
+    pairs: list[tuple[str, str]] = []
+    previous: tuple[str, nn.Linear] | None = None
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            if (
+                previous is not None
+                and previous[1].out_features == child.in_features
+                and child.in_features % tensor == 0
+            ):
+                pairs.append((previous[0], name))
+                previous = None
+            else:
+                previous = (name, child)
+        elif any(True for _ in child.parameters()):
+            previous = None
+    return pairs
+
+
+def auto_plan(owner: str, model: nn.Module, tensor: int) -> dict[str, str]:
+    """The ``"auto"`` plan of ``model`` (module docstring); head counts are checked, not yet divided.
+
+    Raises:
+        ValueError: an attention module without a head count divisible by ``tensor``.
+    """
+    plan: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        attention = _attention(module)
+        if attention is not None:
+            heads = next((h for h in _HEADS if isinstance(getattr(module, h, None), int)), None)
+            if heads is None or getattr(module, heads) % tensor:
+                raise ValueError(
+                    f"{owner}(tensor_plan='auto'): attention module {prefix!r} has no head count (one of {_HEADS})"
+                    f" divisible by tensor_parallel={tensor}. Fix: pass an explicit tensor_plan."
+                )
+            plan.update({f"{dot}{name}": "colwise" for name in attention[0]})
+            plan[f"{dot}{attention[1]}"] = "rowwise"
+            continue
+        for a, b in _mlp_pairs(module, tensor):
+            plan.setdefault(f"{dot}{a}", "colwise")
+            plan.setdefault(f"{dot}{b}", "rowwise")
+    return plan
+
+
+def resolve_plan(owner: str, model: nn.Module, plan: TensorPlan, tensor: int) -> dict[str, Any]:
+    """The plan to apply to ``model`` (whole, before stages are split): names checked against its modules.
+
+    Raises:
+        ValueError: a name that is not a module of the model, or an empty ``"auto"`` plan.
+    """
+    if plan is None or tensor == 1:
+        return {}
+    resolved = auto_plan(owner, model, tensor) if plan == "auto" else dict(plan)
+    names = {name for name, _ in model.named_modules()}
+    unknown = sorted(set(resolved) - names)
+    if unknown:
+        raise ValueError(f"{owner}(tensor_plan=...): {unknown[0]!r} is not a module of the model. Fix: use its names.")
+    if not resolved:
+        raise ValueError(
+            f"{owner}(tensor_parallel={tensor}, tensor_plan='auto') found no Linear pair or attention to split."
+            " Fix: pass an explicit tensor_plan, or tensor_parallel=1."
+        )
+    return resolved
+
+
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> list[str]:
+    """Parallelize the modules of ``plan`` that this rank holds; divide attention head counts. Names applied."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    present = {name: module for name, module in model.named_modules()}
+    local = {name: style for name, style in plan.items() if name in present and type(present[name]) is not nn.Identity}
+    if local:
+        parallelize_module(model, mesh, {name: _style(style) for name, style in local.items()})
+    for name in {n.rpartition(".")[0] for n in local}:
+        parent = model.get_submodule(name)
+        if _attention(parent) is not None:
+            heads = next((h for h in _HEADS if isinstance(getattr(parent, h, None), int)), None)
+            if heads is not None:
+                setattr(parent, heads, getattr(parent, heads) // mesh.size())
+    return sorted(local)

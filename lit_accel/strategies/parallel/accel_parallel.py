@@ -1,0 +1,387 @@
+"""AccelParallel: pipeline, tensor and sharded data parallel (3D) in the Lightning Trainer."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lit_accel.strategies import _fsdp_sharding as sharding
+from lit_accel.strategies._backend import backend_for_device, check_backend_spec
+from lit_accel.strategies._fsdp_comm import GradientSync, install_counting_comms
+from lit_accel.strategies.parallel import _checks, _gradients
+from lit_accel.strategies.parallel._batch import check_no_accumulation, pipeline_micro_batches
+from lit_accel.strategies.parallel._build import BuildConfig, ParallelModel, build_parallel_model
+from lit_accel.strategies.parallel._layout import ParallelLayout
+from lit_accel.strategies.parallel._pipeline import PipelineRunner
+from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec
+from lit_accel.strategies.parallel._stage import ParallelCommStats
+from lit_accel.strategies.parallel._tensor_plan import TensorPlan
+from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
+from lit_accel.utilities import _compat
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.types import STEP_OUTPUT
+    from torch import Tensor
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim import Optimizer
+
+    from lit_accel.protocols import CommStats
+
+__all__ = ["AccelParallel"]
+
+_START_METHODS = {"accel_parallel": "popen", "accel_parallel_spawn": "spawn"}
+_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
+
+
+@serves_parts_attributes
+class AccelParallel(ModelParallelStrategy):
+    """Pipeline x data (FSDP2, optionally replicated) x tensor parallel training of your own LightningModule.
+
+    The world is a mesh ``(pipeline, data_replicate, data_shard, tensor)``; the data-sharded size is what the other
+    sizes leave. With a pipeline dimension the model is split into stages at its units (``docs/strategies.md``),
+    each rank keeps its own (names unchanged, so sharded checkpoints move between layouts), and one optimizer step
+    is one ``schedule.step()`` over the loaded batch split into micro-batches; the LightningModule then defines
+    ``pipeline_loss(output, target)`` (the mean loss of a micro-batch) instead of ``training_step``. Without one,
+    ``training_step`` runs as usual. Gradients equal one process's on the same global batch; fp16 overflows skip
+    the step on every rank; clipping uses the whole model's norm.
+
+    Args:
+        pipeline_parallel, tensor_parallel, data_replicate: mesh sizes (the data-sharded size is inferred).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"zero_bubble"``, ``"zbv"``
+            or ``"dualpipev"``.
+        microbatches: pipeline micro-batches per loaded batch (default: ``micro_batch_size``'s, else 2 x stages).
+        stages_per_rank: for the interleaved schedules (default 2; the V schedules always hold 2).
+        stage_split: ``"auto"`` (the repeated blocks spread evenly) or the unit names where stages 1.. begin.
+        tensor_plan: ``"auto"``, ``None`` or a dict module name -> ``"colwise"``/``"rowwise"``/``"sequence"``/style.
+        global_batch_size, micro_batch_size, partial_window, hang_timeout: as for ``AccelFSDP`` (an int
+            ``micro_batch_size``; under a pipeline it is the pipeline's micro-batch, and there is no accumulation).
+        compile: as for ``AccelFSDP``; each block is compiled after tensor parallelism, before FSDP, on every stage.
+        shard_policy, reduce_dtype: as for ``AccelFSDP``. reshard_after_forward: ``None``: not under a pipeline.
+        state_dict_type: ``"sharded"`` (a distributed checkpoint that resumes under another layout) or ``"full"``.
+        context_parallel: only 1 (context parallel's backward has no CPU kernel; not supported yet).
+        process_group_backend, timeout, start_method: as for ``AccelDDP``.
+
+    Raises:
+        ValueError/TypeError: a bad argument here; at setup (before ``configure_optimizers``) sizes that do not fit
+            the world, a batch plan that cannot be made, a split that does not fit the stages, a micro-batch count the
+            schedule refuses.
+
+    Example::
+
+        trainer = Trainer(accelerator="gpu", devices=8, plugins=[AccelPrecision("bf16-mixed")],
+                          strategy=AccelParallel(pipeline_parallel=2, tensor_parallel=2, schedule="interleaved_1f1b"))
+    """
+
+    def __init__(
+        self,
+        pipeline_parallel: int = 1,
+        tensor_parallel: int = 1,
+        data_replicate: int = 1,
+        *,
+        schedule: ScheduleName = "1f1b",
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        stage_split: Literal["auto"] | Sequence[str] = "auto",
+        tensor_plan: TensorPlan = "auto",
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        partial_window: Literal["mean", "lightning"] = "mean",
+        shard_policy: sharding.ShardPolicy = "auto",
+        reshard_after_forward: bool | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
+        state_dict_type: Literal["full", "sharded"] = "sharded",
+        context_parallel: int = 1,
+        hang_timeout: float | None = None,
+        compile: bool | Mapping[str, Any] = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn"] = "popen",
+    ) -> None:
+        name = type(self).__name__
+        check_backend_spec(name, process_group_backend)
+        _checks.check_arguments(name, locals())
+        super().__init__(
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        #: The strategy-independent parts (batch plan, exact window, watchdog, resume fixes, compile), called below.
+        self.parts = AccelParts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm=False,
+                                hang_timeout=hang_timeout, compile=compile)  # fmt: skip
+        self.pipeline_parallel, self.tensor_parallel = pipeline_parallel, tensor_parallel
+        self.data_replicate, self.context_parallel = data_replicate, context_parallel
+        self.schedule = schedule
+        self.microbatches, self.stages_per_rank, self.stage_split = microbatches, stages_per_rank, stage_split
+        self.tensor_plan = tensor_plan
+        self.shard_policy, self.reduce_dtype = shard_policy, reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.state_dict_type = state_dict_type
+        self._start_method = start_method
+        self._layout: ParallelLayout | None = None
+        self._mesh: DeviceMesh | None = None
+        self._built: ParallelModel | None = None
+        self._pipeline: PipelineRunner | None = None
+        self._comm_stats = ParallelCommStats()
+        self._sync = GradientSync()  # FSDP's gradient reduction, off for a window's non-final backward passes
+        self._clip: tuple[float, Any] | None = None  # (value, algorithm) taken from the Trainer while fitting
+        #: The model's gradient norm before the last clipping (a device tensor; with ``gradient_clip_val`` only).
+        self.last_grad_norm: Tensor | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(cls, _START_METHODS, strategy_registry)
+
+    # ------------------------------------------------------------------ public state
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The mesh sizes (known from ``setup_environment``)."""
+        if self._layout is None:
+            raise RuntimeError(f"{type(self).__name__}.layout is known once the processes have started.")
+        return self._layout
+
+    @property
+    @override
+    def device_mesh(self) -> DeviceMesh:
+        """The 4-D mesh ``(pipeline, data_replicate, data_shard, tensor)``."""
+        if self._mesh is None:
+            raise RuntimeError(f"{type(self).__name__}.device_mesh is built when the processes have started.")
+        return self._mesh
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """All-gathers and reduce-scatters over the data dimension (``FSDPCommStats``)."""
+        return self._comm_stats
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """This rank's stages and schedules (``None`` without a pipeline dimension)."""
+        return self._pipeline
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The ranks of one data-parallel replica (its pipeline stages and tensor shards) load the same samples.
+        return {"num_replicas": self.layout.data, "rank": self.layout.data_rank(self.global_rank)}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """True only so that Lightning calls ``load_optimizer_state_dict`` (the resume fixes); DCP loaded them."""
+        return True
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # The optimizers were loaded by DCP here; Lightning only checks that the key is there.
+        return {"optimizer_states": [], **super().load_checkpoint(checkpoint_path, weights_only=weights_only)}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self.parts.loops_restored()  # the first strategy hook after Lightning restored the loops
+
+    # ------------------------------------------------------------------ environment and setup
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _compat.strategy_launcher(self, self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        name = type(self).__name__
+        if self._process_group_backend is not None:
+            backend_for_device(name, self._process_group_backend, self.root_device)
+        world = self.num_nodes * self.num_processes
+        self._layout = ParallelLayout.from_world(
+            name, world, self.pipeline_parallel, self.tensor_parallel, self.data_replicate
+        )
+        _checks.check_environment(name, self, self._layout)
+        self._comm_stats.data = self._layout.data  # the FSDP groups' size, for the ring bytes
+        _compat.set_model_parallel_sizes(self, world, 1)
+        super().setup_environment()
+        self._mesh = self._layout.build_mesh(self.root_device.type)
+        rank_zero_info(f"{name}: {self._layout.describe()}.")
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """The batch plan (before ``configure_optimizers``); this rank's share of the model; optimizers, precision."""
+        assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
+        name, layout, module = type(self).__name__, self.layout, self.lightning_module
+        spec = SCHEDULES[self.schedule]
+        _checks.check_model(name, self, module, layout, spec)
+        # Agreed over the world (data_parallel_size is the mesh's data dimension): a replica's stages and shards load
+        # the same batches too, and the world needs no flattened sub-mesh group.
+        plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **self._batch_split(spec))
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and layout.pipeline > 1:
+            check_no_accumulation(name, trainer, plan)
+        self.accelerator.setup(trainer)
+        if self._built is None:  # a second fit/validate keeps the model as built
+            self._build(spec, module)
+        self.barrier()
+        if fitting:
+            self._plan_pipeline()
+            self._take_clipping(trainer)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _batch_split(self, spec: ScheduleSpec) -> dict[str, Any]:
+        """A pipeline runs equal micro-batches itself (its count planned); without one, AccelParts' micro-batching."""
+        if self.pipeline_parallel == 1:
+            return {}
+        stages = self.pipeline_parallel * spec.stages_per_rank(self.stages_per_rank)
+        count = pipeline_micro_batches(self.microbatches, self.parts.planner.micro_batch_size, stages)
+        return {"splits_batches": True, "micro_batches": count}
+
+    def _build(self, spec: ScheduleSpec, module: pl.LightningModule) -> None:
+        name = type(self).__name__
+        precision = self.precision_plugin
+        param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = self.pipeline_parallel == 1  # torchtitan's choice: stages keep parameters from F to B
+        compiling = self.parts.compilation is not None
+        config = BuildConfig(name, spec, self.stages_per_rank, self.stage_split, self.tensor_plan, self.shard_policy,
+                             reshard, param_dtype, self.reduce_dtype,
+                             functools.partial(self.parts.compile_blocks, name) if compiling else None)  # fmt: skip
+        built = build_parallel_model(module, self.layout, self.device_mesh, self.global_rank, self.root_device,
+                                     precision, config)  # fmt: skip
+        for root in [*built.fsdp_roots, *built.stages]:
+            install_counting_comms(root, self._comm_stats)
+        self._built, self._sync.roots = built, built.fsdp_roots
+        if built.stages:
+            self._pipeline = PipelineRunner(name, spec, built.stages, built.num_stages,
+                                            self.device_mesh["pipeline"].get_group(), self.root_device,
+                                            self.microbatches or 2 * built.num_stages, module.pipeline_loss,
+                                            self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
+            self._comm_stats.bubble = self._pipeline.meter
+
+    def _plan_pipeline(self) -> None:
+        """The pipeline's micro-batch count from this fit's plan, checked against the schedule."""
+        pipeline, plan = self._pipeline, self.parts.batch_plan
+        if pipeline is None or plan is None:
+            return  # no pipeline, or no loader batch size: each batch is split as it comes (``_pipeline.py``)
+        pipeline.microbatches = plan.micro_batches
+        _checks.check_pipeline_batch(type(self).__name__, pipeline, plan)
+
+    def _take_clipping(self, trainer: pl.Trainer) -> None:
+        """Clip by norm here, over every stage and mesh dimension: Lightning's would use one stage's shards."""
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+            self._clip = (float(trainer.gradient_clip_val), trainer.gradient_clip_algorithm)
+            trainer.gradient_clip_val = None
+
+    # ------------------------------------------------------------------ steps
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self.parts.training_step(self, self._training_step, *args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """A loaded batch (or micro-batch) through Lightning's ``training_step``, or all its micro-batches' pipeline."""
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        scale = self._loss_scale()
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.train_step(args[0], self.lightning_module, scale)
+
+    def _loss_scale(self) -> Tensor | None:
+        """The fp16 scale as a device tensor, recorded by the scaler on every stage (only the last one scales)."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return scaler.scale(torch.ones((), device=self.root_device))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        with self.precision_plugin.val_step_context(), torch.no_grad():
+            loss = self._pipeline.eval_step(args[0], module)
+        module.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return self.parts.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
+        # The schedule ran every backward inside training_step: only the hooks around it are left to call.
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline.restore_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._sync.roots and not self._sync.blocked:
+            self._comm_stats.rounds += 1  # this backward (or pipeline pass) reduce-scattered every group
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # AccelParts' closure ends the window (a short one made exact); inside it, the agreement over the mesh.
+        return self.parts.optimizer_step(self._agreeing_step, optimizer, closure, model, **kwargs)
+
+    def _agreeing_step(self, optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        """Lightning's step with ``closure`` followed by the whole model's norm, before the plugin unscales."""
+
+        def record(norm: Tensor) -> None:
+            self.last_grad_norm = norm
+
+        per_stage = self.layout.world_size // self.layout.pipeline
+        max_norm = None if self._clip is None else self._clip[0]
+        agreeing = _gradients.agreeing_closure(closure, optimizer, self.precision_plugin, per_stage, self.root_device,
+                                               max_norm, record)  # fmt: skip
+        return super().optimizer_step(optimizer, agreeing, *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of a window keep their gradients local (no reduce-scatter)."""
+        with self._sync.switched(False):
+            yield
+
+    def gradient_sync(self) -> AbstractContextManager[None]:
+        """The backward run inside reduce-scatters, even within Lightning's accumulation window (micro-batching)."""
+        return self._sync.switched(True)
+
+    def forward_collective(self) -> str | None:
+        """What makes a collective in the model's forward: FSDP's all-gathers (and TP's), when sharded."""
+        return "FSDP's all-gathers" if self._sync.roots else None
+
+    @override
+    def teardown(self) -> None:
+        self.parts.teardown()
+        trainer = self.parts.trainer
+        if self._clip is not None and trainer is not None:
+            trainer.gradient_clip_val = self._clip[0]
+            self._clip = None
+        super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self.parts.explain_failure(self, exception)
