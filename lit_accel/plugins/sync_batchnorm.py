@@ -3,21 +3,27 @@
 ``torch.nn.SyncBatchNorm`` only runs on CUDA-like devices (on CPU/gloo DDP rejects it and ``torch.batch_norm_stats``
 has no CPU kernel). :class:`SyncBatchNorm` does the work with torch's own batch-norm kernels on every device:
 
-* **forward**: local mean and biased variance from ``torch.batch_norm_update_stats`` (plain BatchNorm's statistics
-  kernel), all-reduced as ``[Σx, Σx², n]`` (``2C+1`` numbers); the output is ``torch.native_batch_norm`` in
-  inference mode fed with the *global* mean and variance: plain BatchNorm's element-wise kernel.
+* **forward**: this rank's ``[Σx, Σx², n]`` (``2C+1`` numbers) from its centred moments, all-reduced; the output is
+  ``torch.native_batch_norm`` in inference mode fed with the *global* mean and variance: plain BatchNorm's
+  element-wise kernel. The local moments come from ``torch.batch_norm_update_stats`` (plain BatchNorm's statistics
+  kernel), except for float32/float64 inputs in the contiguous ``(N, C, *)`` layout on CPU, where that kernel is a
+  scalar loop that costs more than the rest of the layer (``benchmarks/RESULTS.md``, SyncBatchNorm): there three
+  vectorised sums read them around a per-channel shift ``K`` (``Σx`` gives ``K``; then ``Σ(x−K)`` and ``Σ(x−K)²``,
+  with ``x−K`` held in the output's memory before the output is written there).
 * **backward**: local ``Σdy`` and ``Σdy·x̂`` from ``native_batch_norm_backward`` (on CUDA ``Σdy`` and ``Σdy·(x−μ)``
   from ``batch_norm_backward_reduce``), all-reduced as one ``2C`` tensor; then the BatchNorm input gradient with the
   global sums, ``dx = γσ⁻¹·(dy − mean(dy) − x̂·mean(dy·x̂))``: ``batch_norm_backward_elemt`` on CUDA, elsewhere one
-  inference-mode ``native_batch_norm`` pass over ``x`` and one in-place ``addcmul_`` of ``dy``. The weight and bias
-  gradients stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them like every other gradient.
+  inference-mode ``native_batch_norm`` pass over ``x`` and one in-place ``addcmul_`` of ``dy`` (no CPU kernel does
+  it in one pass). The weight and bias gradients stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them like
+  every other gradient.
 
 Numerics: the ``2C+1`` statistics are combined in float64, because ``E[x²] − E[x]²`` in float32 loses the variance
 when ``|mean| ≫ std`` (error about ``2⁻²⁴·mean²``: with mean 1e3 and std 1, several percent). The local moments are
-centred (two-pass or Welford kernels), so float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no
-float64). Statistics are float32 for float16/bfloat16 inputs (read without conversion on CPU and CUDA); the output
-has the input's dtype, and channels-last inputs stay channels-last without copies. Only training-mode forwards
-communicate; eval mode uses the running statistics (or the local batch's, without them), as torch's layer does.
+centred (two-pass or Welford kernels, or sums around the shift ``K``, for which ``x − K`` is exact near the mean), so
+float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no float64). Statistics are float32 for
+float16/bfloat16 inputs (read without conversion on CPU and CUDA); the output has the input's dtype, and channels-last
+inputs stay channels-last without copies. Only training-mode forwards communicate; eval mode uses the running
+statistics (or the local batch's, without them), as torch's layer does.
 """
 
 from __future__ import annotations
@@ -52,6 +58,44 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
+
+
+def _sums_around_a_shift(input: Tensor) -> bool:
+    """Whether :func:`_local_sums` reads ``input`` with vectorised sums around a shift.
+
+    BatchNorm's CPU statistics kernel runs a scalar loop for float32/float64 in the contiguous ``(N, C, *)`` layout
+    with more than one value per sample and channel; its channels-last, ``(N, C)`` and float16/bfloat16 paths are
+    vectorised.
+    """
+    return (
+        input.device.type == "cpu"
+        and input.dtype in (torch.float32, torch.float64)
+        and input.dim() > 2
+        and input.stride(1) > 1
+        and input.is_contiguous()
+    )
+
+
+def _local_sums(input: Tensor, count: int, compute_dtype: torch.dtype, scratch: Tensor | None) -> Tensor:
+    """This rank's ``[Σx, Σx², n]`` in the statistics' dtype, from centred moments (or sums around a shift)."""
+    stats_dtype = _stats_dtype(compute_dtype, input.device)
+    if count == 0:  # an empty rank still joins the collective, or its peers would wait forever
+        return input.new_zeros(2 * input.shape[1] + 1, dtype=stats_dtype)
+    if scratch is not None:
+        # Shift K = Σx/n (the local mean up to float32 rounding), d = x − K in `scratch`, then Σd and Σd²:
+        # Σx = nK + Σd and Σx² = Σd² + K·(2Σd + nK) = Σd² + K·(Σx + Σd), in float64.
+        dims = [0, *range(2, input.dim())]
+        shift = input.sum(dims).div_(count)
+        d = torch.sub(input, _channel_view(shift, input.dim()), out=scratch)
+        sum_d = d.sum(dims).to(stats_dtype)
+        sum_d2 = d.square_().sum(dims)
+        k = shift.to(stats_dtype)
+        sum_x = torch.add(sum_d, k, alpha=count)
+        return torch.cat((sum_x, torch.addcmul(sum_d2, k, sum_x + sum_d), sum_x.new_full((1,), count)))
+    mean, var = _local_moments(input, compute_dtype)
+    m = _cast(mean, stats_dtype)
+    # n·[mean, var + mean², 1]; addcmul computes in m's dtype (float64), so mean² is added without float32 rounding.
+    return torch.cat((m, torch.addcmul(var, m, m), m.new_ones(1))).mul_(count)
 
 
 def _local_moments(input: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -142,17 +186,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # float32 statistics for float16/bfloat16/float32 inputs, float64 for float64 ones (the floating types BatchNorm
         # takes: torch.promote_types(dtype, float32), without its dispatch).
         compute_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
-        stats_dtype = _stats_dtype(compute_dtype, input.device)
-
-        # Local sums n·[mean, var + mean², 1] = [Σx, Σx², n] from centred local moments: no float32 cancellation.
-        if local_count > 0:
-            local_mean, local_var = _local_moments(input, compute_dtype)
-            m = local_mean.to(stats_dtype)
-            combined = torch.cat([m, torch.addcmul(local_var.to(stats_dtype), m, m), m.new_ones(1)])
-            combined.mul_(local_count)
-        else:
-            # An empty rank still joins the collective, or its peers would wait forever.
-            combined = input.new_zeros(2 * num_channels + 1, dtype=stats_dtype)
+        # With sums around a shift, the output's memory holds x − K until the output is written there.
+        out = torch.empty_like(input) if local_count and _sums_around_a_shift(input) else None
+        combined = _local_sums(input, local_count, compute_dtype, out)
         _all_reduce_sum(combined, process_group)
         # 0-d: dividing a tensor by it keeps that tensor's dtype (float32 gradients sums, float64 statistics).
         total_count = combined[-1]
@@ -199,7 +235,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # Plain BatchNorm's element-wise kernel with the global statistics as its "running" ones.
         w = _cast(weight, compute_dtype) if weight is not None else None
         b = _cast(bias, compute_dtype) if bias is not None else None
-        return torch.native_batch_norm(input, w, b, mean, var, False, 0.0, eps)[0]
+        if out is None:
+            return torch.native_batch_norm(input, w, b, mean, var, False, 0.0, eps)[0]
+        unused = mean.new_empty(0)  # the kernel's saved mean and invstd: none in inference mode
+        return torch.ops.aten.native_batch_norm.out(
+            input, w, b, mean, var, False, 0.0, eps, out=out, save_mean=unused, save_invstd=unused
+        )[0]
 
     @staticmethod
     @once_differentiable

@@ -58,6 +58,7 @@ def check_joint_batch_equivalence(
     seed: int = 0,
     channels_last: bool = False,
     tol: float = 1e-5,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Run ``steps`` training steps and compare with BatchNorm on the joint batch of ``group_ranks``.
 
@@ -85,14 +86,15 @@ def check_joint_batch_equivalence(
             ref.weight.copy_(torch.rand(num_channels, generator=gen) + 0.5)
             if bias:
                 ref.bias.copy_(torch.randn(num_channels, generator=gen))
-    sync = make_sync(copy.deepcopy(ref))
+    ref.to(dtype)
+    sync = make_sync(copy.deepcopy(ref)).to(dtype)
     channel_scale = torch.rand(num_channels, generator=gen).view(1, -1, *([1] * (len(feature_shape) - 1))) * 3 + 0.2
     tag = f"rank {rank}, sizes {list(sizes)}, shape {tuple(feature_shape)}, affine={affine}, momentum={momentum}"
-    tag += f", track={track}, channels_last={channels_last}, bias={bias}"
+    tag += f", track={track}, channels_last={channels_last}, bias={bias}, {dtype}"
 
     for step in range(steps):
-        inputs = torch.randn(offsets[-1], *feature_shape, generator=gen) * channel_scale + 0.5
-        upstream = torch.randn(offsets[-1], *feature_shape, generator=gen)
+        inputs = (torch.randn(offsets[-1], *feature_shape, generator=gen) * channel_scale + 0.5).to(dtype)
+        upstream = torch.randn(offsets[-1], *feature_shape, generator=gen).to(dtype)
         x_ref = inputs[glo:ghi].clone().requires_grad_()
         y_ref = ref(x_ref)
         (y_ref * upstream[glo:ghi]).sum().backward()
@@ -144,13 +146,16 @@ def _many_configurations(rank: int, world_size: int) -> int:
     check_joint_batch_equivalence(rank, (3, 5), (4, 3, 2), make_portable(), channels_last=True, seed=checked)
     check_joint_batch_equivalence(rank, (1, 1), (4,), make_portable(), momentum=None, seed=checked + 1)
     check_joint_batch_equivalence(rank, (3, 5), (4, 3, 2), make_portable(), bias=False, seed=checked + 2)
-    return checked + 3
+    # float64 layers: statistics and arithmetic in float64 on both CPU paths (sums around a shift, the kernel's).
+    for seed, shape in enumerate([(4, 3, 2), (4,)], start=checked + 3):
+        check_joint_batch_equivalence(rank, (3, 5), shape, make_portable(), dtype=torch.float64, tol=1e-12, seed=seed)
+    return checked + 5
 
 
 def test_matches_batchnorm_on_the_joint_batch_in_every_configuration():
     """BatchNorm1d/2d/3d x uneven sizes (3+5, 1+4) x affine x momentum (0.1, None) x running stats, 3 steps each;
-    plus channels_last, one sample per rank, and an affine layer without bias."""
-    assert run_distributed(_many_configurations, 2) == [67, 67]
+    plus channels_last, one sample per rank, an affine layer without bias, and float64 layers."""
+    assert run_distributed(_many_configurations, 2) == [69, 69]
 
 
 def _edge_cases(rank: int, world_size: int) -> None:
