@@ -63,15 +63,15 @@ def _channel_view(t: Tensor, ndim: int) -> Tensor:
 def _sums_around_a_shift(input: Tensor) -> bool:
     """Whether :func:`_local_sums` reads ``input`` with vectorised sums around a shift.
 
-    BatchNorm's CPU statistics kernel runs a scalar loop for float32/float64 in the contiguous ``(N, C, *)`` layout
-    with more than one value per sample and channel; its channels-last, ``(N, C)`` and float16/bfloat16 paths are
-    vectorised.
+    BatchNorm's CPU statistics kernel runs a scalar loop for float32/float64 in the contiguous ``(N, C, *)`` layout;
+    its channels-last, ``(N, C)`` and float16/bfloat16 paths are vectorised. The sums pay off once rows (``*``) hold
+    16 values or more and the input 2¹⁶ (below, their dozen extra small ops cost more: ``benchmarks/RESULTS.md``).
     """
     return (
         input.device.type == "cpu"
         and input.dtype in (torch.float32, torch.float64)
-        and input.dim() > 2
-        and input.stride(1) > 1
+        and input.stride(1) >= 16
+        and input.numel() >= 1 << 16
         and input.is_contiguous()
     )
 
@@ -85,7 +85,7 @@ def _local_sums(input: Tensor, count: int, compute_dtype: torch.dtype, scratch: 
         # Shift K = Σx/n (the local mean up to float32 rounding), d = x − K in `scratch`, then Σd and Σd²:
         # Σx = nK + Σd and Σx² = Σd² + K·(2Σd + nK) = Σd² + K·(Σx + Σd), in float64.
         dims = [0, *range(2, input.dim())]
-        shift = input.sum(dims).div_(count)
+        shift = input.mean(dims)
         d = torch.sub(input, _channel_view(shift, input.dim()), out=scratch)
         sum_d = d.sum(dims).to(stats_dtype)
         sum_d2 = d.square_().sum(dims)
