@@ -111,6 +111,27 @@ def _local_moments(input: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, T
     return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
 
 
+def _normalize(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, invstd: Tensor, eps: float,
+    out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``(x − mean)·invstd·weight + bias`` per channel: BatchNorm's element-wise kernel fed these statistics.
+
+    For ``(N, C)`` inputs on CPU that kernel steps through the channels one value at a time; there its own formula,
+    ``x·α + β`` with ``α = invstd·weight`` and ``β = bias − mean·α``, runs as one broadcast ``addcmul`` instead.
+    """
+    if x.dim() == 2 and x.device.type == "cpu" and x.dtype == mean.dtype:
+        alpha = invstd if weight is None else invstd * weight
+        beta = torch.mul(mean, alpha).neg_() if bias is None else torch.addcmul(bias, mean, alpha, value=-1)
+        return torch.addcmul(beta, x, alpha)
+    if out is None:
+        return torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, eps)[0]
+    unused = mean.new_empty(0)  # the kernel's saved mean and invstd: none in inference mode
+    return torch.ops.aten.native_batch_norm.out(
+        x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=unused, save_invstd=unused
+    )[0]
+
+
 def _local_grad_sums(
     grad_output: Tensor, input: Tensor, mean: Tensor, invstd: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -145,9 +166,8 @@ def _grad_input(
     eps: float,
 ) -> Tensor:
     """``dx = γσ⁻¹·(dy − Σdy/N − x̂·Σdy·x̂/N)`` from the group's sums (see :func:`_local_grad_sums`)."""
-    num_channels = mean.numel()
     if input.is_cuda:
-        sum_dy, sum_dy_xmu = sums.split(num_channels)
+        sum_dy, sum_dy_xmu = sums
         return torch.batch_norm_backward_elemt(
             grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, total_count.to(torch.int32).view(1)
         )
@@ -155,19 +175,19 @@ def _grad_input(
     # BatchNorm of x with weight −γσ⁻¹·mean(dy·x̂) and bias −γσ⁻¹·mean(dy) (one native pass, the forward's
     # rounding); one addcmul_ then adds γσ⁻¹·dy in place.
     scale = invstd if weight is None else invstd * weight
-    bias_coef, weight_coef = (sums / total_count).view(2, num_channels).mul_(scale).neg_()
+    bias_coef, weight_coef = (sums / total_count).mul_(scale).neg_()
     x, dy = input, grad_output
     if input.dtype != mean.dtype:
         # float16/bfloat16: float32 arithmetic, rounded once at the end. CPU elementwise kernels are several times
         # slower on mixed dtypes than a conversion, so both operands are converted first.
         x, dy = input.to(mean.dtype), grad_output.to(mean.dtype)
-    grad_input = torch.native_batch_norm(x, weight_coef, bias_coef, mean, var, False, 0.0, eps)[0]
+    grad_input = _normalize(x, weight_coef, bias_coef, mean, var, invstd, eps)
     grad_input.addcmul_(dy, _channel_view(scale, input.dim()))
     return _cast(grad_input, input.dtype)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode BatchNorm over a process group; saves only the input, weight, mean, var and count."""
+    """Training-mode BatchNorm over a process group; saves the input, weight, statistics and count."""
 
     @staticmethod
     def forward(
@@ -225,7 +245,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             running_mean.lerp_(_cast(mean, running_mean.dtype), w)
             running_var.lerp_(_cast(unbiased_var, running_var.dtype), w)
 
-        ctx.save_for_backward(input, weight, mean, var, total_count)
+        invstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(input, weight, mean, var, invstd, total_count)
         ctx.eps = eps
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.process_group = process_group
@@ -235,12 +256,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # Plain BatchNorm's element-wise kernel with the global statistics as its "running" ones.
         w = _cast(weight, compute_dtype) if weight is not None else None
         b = _cast(bias, compute_dtype) if bias is not None else None
-        if out is None:
-            return torch.native_batch_norm(input, w, b, mean, var, False, 0.0, eps)[0]
-        unused = mean.new_empty(0)  # the kernel's saved mean and invstd: none in inference mode
-        return torch.ops.aten.native_batch_norm.out(
-            input, w, b, mean, var, False, 0.0, eps, out=out, save_mean=unused, save_invstd=unused
-        )[0]
+        return _normalize(input, w, b, mean, var, invstd, eps, out)
 
     @staticmethod
     @once_differentiable
@@ -249,8 +265,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.skip_all:
             (input,) = ctx.saved_tensors
             return (torch.zeros_like(input) if ctx.needs_input_grad[0] else None, None, None, *no_grads)
-        input, weight, mean, var, total_count = ctx.saved_tensors
-        invstd = torch.rsqrt(var + ctx.eps)
+        input, weight, mean, var, invstd, total_count = ctx.saved_tensors
         if ctx.local_count > 0:
             sum_dy, second_sum, sum_dy_xhat = _local_grad_sums(grad_output, input, mean, invstd, ctx.eps)
         else:
@@ -261,7 +276,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
         grad_input = None
         if ctx.needs_input_grad[0]:
-            sums = torch.cat([sum_dy, second_sum])
+            sums = torch.stack((sum_dy, second_sum))
             _all_reduce_sum(sums, ctx.process_group)
             if ctx.local_count == 0:
                 grad_input = torch.zeros_like(input)
