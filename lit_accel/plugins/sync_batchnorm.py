@@ -28,7 +28,7 @@ statistics (or the local batch's, without them), as torch's layer does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,16 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
+
+
+class _Stats(NamedTuple):
+    """The group's statistics, in the dtype BatchNorm's kernels compute in (``count``: 0-d, float64 off MPS)."""
+
+    mean: Tensor
+    var: Tensor
+    invstd: Tensor
+    count: Tensor
+    eps: float
 
 
 def _sums_around_a_shift(input: Tensor) -> bool:
@@ -92,34 +102,39 @@ def _local_sums(input: Tensor, count: int, compute_dtype: torch.dtype, scratch: 
         k = shift.to(stats_dtype)
         sum_x = torch.add(sum_d, k, alpha=count)
         return torch.cat((sum_x, torch.addcmul(sum_d2, k, sum_x + sum_d), sum_x.new_full((1,), count)))
-    mean, var = _local_moments(input, compute_dtype)
+    if input.dtype == compute_dtype:
+        mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+    elif input.device.type in ("cpu", "cuda"):
+        # A float16/bfloat16 input with float32 "running" buffers selects the kernel's mixed-precision path (float32
+        # accumulation and outputs) without converting the input. The buffers are scratch; momentum 0 leaves them be.
+        buffers = torch.zeros(2, input.shape[1], dtype=compute_dtype, device=input.device)
+        mean, var = torch.batch_norm_update_stats(input, buffers[0], buffers[1], 0.0)
+    else:
+        mean, var = torch.batch_norm_update_stats(input.to(compute_dtype), None, None, 0.0)
     m = _cast(mean, stats_dtype)
     # n·[mean, var + mean², 1]; addcmul computes in m's dtype (float64), so mean² is added without float32 rounding.
     return torch.cat((m, torch.addcmul(var, m, m), m.new_ones(1))).mul_(count)
 
 
-def _local_moments(input: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and biased variance of ``input`` in ``compute_dtype``, read in its own dtype and layout."""
-    if input.dtype == compute_dtype:
-        return torch.batch_norm_update_stats(input, None, None, 0.0)
-    if input.device.type not in ("cpu", "cuda"):
-        return torch.batch_norm_update_stats(input.to(compute_dtype), None, None, 0.0)
-    # On CPU, a float16/bfloat16 input with float32 "running" buffers selects the kernel's mixed-precision path
-    # (float32 accumulation and outputs; the CUDA kernel's outputs are float32 anyway) without converting the input.
-    # The buffers are scratch; momentum 0 leaves them be.
-    scratch = torch.zeros(2, input.shape[1], dtype=compute_dtype, device=input.device)
-    return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
+def _global_stats(combined: Tensor, total_count: Tensor, compute_dtype: torch.dtype, eps: float) -> _Stats:
+    """The group's statistics from the all-reduced ``[Σx, Σx², N]`` and ``N`` (its last entry)."""
+    # Rows: the global mean and E[x²], then (in place) the biased variance E[x²] − mean².
+    moments = combined[:-1].view(2, -1).div_(total_count)
+    global_mean, global_sq = moments
+    global_sq.addcmul_(global_mean, global_mean, value=-1).clamp_min_(0.0)
+    mean, var = moments.to(compute_dtype)
+    return _Stats(mean, var, torch.rsqrt(var + eps), total_count, eps)
 
 
 def _normalize(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, invstd: Tensor, eps: float,
-    out: Tensor | None = None,
-) -> Tensor:  # fmt: skip
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, stats: _Stats, out: Tensor | None = None
+) -> Tensor:
     """``(x − mean)·invstd·weight + bias`` per channel: BatchNorm's element-wise kernel fed these statistics.
 
     For ``(N, C)`` inputs on CPU that kernel steps through the channels one value at a time; there its own formula,
     ``x·α + β`` with ``α = invstd·weight`` and ``β = bias − mean·α``, runs as one broadcast ``addcmul`` instead.
     """
+    mean, var, invstd, _, eps = stats
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == mean.dtype:
         alpha = invstd if weight is None else invstd * weight
         beta = torch.mul(mean, alpha).neg_() if bias is None else torch.addcmul(bias, mean, alpha, value=-1)
@@ -132,9 +147,7 @@ def _normalize(
     )[0]
 
 
-def _local_grad_sums(
-    grad_output: Tensor, input: Tensor, mean: Tensor, invstd: Tensor, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def _local_grad_sums(grad_output: Tensor, input: Tensor, stats: _Stats) -> tuple[Tensor, Tensor, Tensor]:
     """Local ``Σdy``, the second sum to all-reduce, and ``Σdy·x̂`` (the weight gradient), in the statistics' dtype.
 
     The second sum is ``Σdy·(x−μ)`` on CUDA, the quantity its ``batch_norm_backward_elemt`` kernel takes, and
@@ -142,52 +155,59 @@ def _local_grad_sums(
     """
     if input.is_cuda:
         sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
-            grad_output, input, mean, invstd, None, True, False, False
+            grad_output, input, stats.mean, stats.invstd, None, True, False, False
         )
-        return sum_dy, sum_dy_xmu, sum_dy_xmu * invstd
+        return sum_dy, sum_dy_xmu, sum_dy_xmu * stats.invstd
     # Σdy·x̂ and Σdy are the weight and bias gradients of a BatchNorm with these statistics, whatever its weight. The
     # CPU kernel takes none; other backends' kernels may allocate the weight gradient like the weight, so get one.
-    unit_weight = None if input.device.type == "cpu" else torch.ones_like(mean)
+    unit_weight = None if input.device.type == "cpu" else torch.ones_like(stats.mean)
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        grad_output, input, unit_weight, None, None, mean, invstd, True, eps, [False, True, True]
+        grad_output, input, unit_weight, None, None, stats.mean, stats.invstd, True, stats.eps, [False, True, True]
     )
     return sum_dy, sum_dy_xhat, sum_dy_xhat
 
 
-def _grad_input(
-    grad_output: Tensor,
-    input: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    invstd: Tensor,
-    sums: Tensor,
-    total_count: Tensor,
-    eps: float,
-) -> Tensor:
+def _grad_input(grad_output: Tensor, input: Tensor, weight: Tensor | None, stats: _Stats, sums: Tensor) -> Tensor:
     """``dx = γσ⁻¹·(dy − Σdy/N − x̂·Σdy·x̂/N)`` from the group's sums (see :func:`_local_grad_sums`)."""
     if input.is_cuda:
         sum_dy, sum_dy_xmu = sums
+        count = stats.count.to(torch.int32).view(1)
         return torch.batch_norm_backward_elemt(
-            grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, total_count.to(torch.int32).view(1)
+            grad_output, input, stats.mean, stats.invstd, weight, sum_dy, sum_dy_xmu, count
         )
     # No fused CPU kernel for this: the last two terms are an affine function of x̂, i.e. an inference-mode
-    # BatchNorm of x with weight −γσ⁻¹·mean(dy·x̂) and bias −γσ⁻¹·mean(dy) (one native pass, the forward's
+    # BatchNorm of x with weight −γσ⁻¹·mean(dy·x̂) and bias −γσ⁻¹·mean(dy) (one element-wise pass, the forward's
     # rounding); one addcmul_ then adds γσ⁻¹·dy in place.
-    scale = invstd if weight is None else invstd * weight
-    bias_coef, weight_coef = (sums / total_count).mul_(scale).neg_()
+    scale = stats.invstd if weight is None else stats.invstd * weight
+    bias_coef, weight_coef = (sums / stats.count).mul_(scale).neg_()
     x, dy = input, grad_output
-    if input.dtype != mean.dtype:
+    if input.dtype != stats.mean.dtype:
         # float16/bfloat16: float32 arithmetic, rounded once at the end. CPU elementwise kernels are several times
         # slower on mixed dtypes than a conversion, so both operands are converted first.
-        x, dy = input.to(mean.dtype), grad_output.to(mean.dtype)
-    grad_input = _normalize(x, weight_coef, bias_coef, mean, var, invstd, eps)
+        x, dy = input.to(stats.mean.dtype), grad_output.to(stats.mean.dtype)
+    grad_input = _normalize(x, weight_coef, bias_coef, stats)
     grad_input.addcmul_(dy, _channel_view(scale, input.dim()))
     return _cast(grad_input, input.dtype)
 
 
+def _group_is_empty(total_count: Tensor, input: Tensor) -> bool:
+    """Whether no rank holds a sample (nothing to normalise or learn; BatchNorm keeps its running statistics then).
+
+    Raises if the group holds one value per channel. Reads the count on the host, so only a rank holding at most one
+    sample calls it (only such a rank can be part of a global count <= 1); every rank of such a group raises.
+    """
+    global_count = int(total_count.item())
+    if global_count == 1:
+        raise ValueError(
+            "SyncBatchNorm: expected more than 1 value per channel across the process group when training,"
+            f" got 1 (this rank's input size {tuple(input.shape)}). Use more samples per step, or put the"
+            " layer in eval mode."
+        )
+    return global_count == 0
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode BatchNorm over a process group; saves the input, weight, statistics and count."""
+    """Training-mode BatchNorm over a process group; saves the input, weight and the group's statistics."""
 
     @staticmethod
     def forward(
@@ -201,8 +221,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         momentum: float | Tensor,
         process_group: Any,
     ) -> Tensor:
-        num_channels = input.shape[1]
-        local_count = input.numel() // num_channels if num_channels else 0
+        channels = input.shape[1]
+        local_count = input.numel() // channels if channels else 0
         # float32 statistics for float16/bfloat16/float32 inputs, float64 for float64 ones (the floating types BatchNorm
         # takes: torch.promote_types(dtype, float32), without its dispatch).
         compute_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
@@ -212,51 +232,27 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         _all_reduce_sum(combined, process_group)
         # 0-d: dividing a tensor by it keeps that tensor's dtype (float32 gradients sums, float64 statistics).
         total_count = combined[-1]
-
-        if local_count <= 1:
-            # Only a rank holding at most one sample can be part of a global count <= 1, so only such a rank pays this
-            # host read; ranks with more samples skip it. Every rank of a group with a global count of 1 raises here.
-            global_count = int(total_count.item())
-            if global_count == 1:
-                raise ValueError(
-                    "SyncBatchNorm: expected more than 1 value per channel across the process group when training,"
-                    f" got 1 (this rank's input size {tuple(input.shape)}). Use more samples per step, or put the"
-                    " layer in eval mode."
-                )
-            if global_count == 0:
-                # Every rank of the group was empty: nothing to normalise and nothing to learn (plain BatchNorm
-                # leaves its running statistics alone on an empty batch too).
-                ctx.skip_all = True
-                ctx.save_for_backward(input)
-                return torch.empty_like(input)
-        ctx.skip_all = False
-
-        # Rows: the global mean and E[x²], then (in place) the biased variance E[x²] − mean².
-        moments = combined[:-1].view(2, num_channels).div_(total_count)
-        global_mean, global_sq = moments
-        global_sq.addcmul_(global_mean, global_mean, value=-1).clamp_min_(0.0)
-        mean, var = moments.to(compute_dtype)
+        ctx.skip_all = local_count <= 1 and _group_is_empty(total_count, input)
+        if ctx.skip_all:
+            ctx.save_for_backward(input)
+            return torch.empty_like(input)
+        stats = _global_stats(combined, total_count, compute_dtype, eps)
         if running_mean is not None and running_var is not None:
             # Unbiased running variance over the *global* count, as plain BatchNorm on the joint batch would keep.
             # `momentum` is a 0-d tensor for momentum=None (1/num_batches_tracked): no host sync.
-            # var·N/(N−1) = var + var/(N−1)
-            unbiased_var = torch.addcdiv(var, var, total_count - 1)
+            unbiased_var = torch.addcdiv(stats.var, stats.var, total_count - 1)  # var·N/(N−1) = var + var/(N−1)
             w = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
-            running_mean.lerp_(_cast(mean, running_mean.dtype), w)
+            running_mean.lerp_(_cast(stats.mean, running_mean.dtype), w)
             running_var.lerp_(_cast(unbiased_var, running_var.dtype), w)
-
-        invstd = torch.rsqrt(var + eps)
-        ctx.save_for_backward(input, weight, mean, var, invstd, total_count)
-        ctx.eps = eps
+        ctx.save_for_backward(input, weight, *stats[:4])
+        ctx.eps, ctx.process_group, ctx.local_count = eps, process_group, local_count
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.process_group = process_group
-        ctx.local_count = local_count
         if local_count == 0:
             return torch.empty_like(input)
-        # Plain BatchNorm's element-wise kernel with the global statistics as its "running" ones.
+        # Plain BatchNorm's element-wise step with the global statistics.
         w = _cast(weight, compute_dtype) if weight is not None else None
         b = _cast(bias, compute_dtype) if bias is not None else None
-        return _normalize(input, w, b, mean, var, invstd, eps, out)
+        return _normalize(input, w, b, stats, out)
 
     @staticmethod
     @once_differentiable
@@ -265,24 +261,21 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.skip_all:
             (input,) = ctx.saved_tensors
             return (torch.zeros_like(input) if ctx.needs_input_grad[0] else None, None, None, *no_grads)
-        input, weight, mean, var, invstd, total_count = ctx.saved_tensors
+        input, weight, *tensors = ctx.saved_tensors
+        stats = _Stats(*tensors, ctx.eps)
         if ctx.local_count > 0:
-            sum_dy, second_sum, sum_dy_xhat = _local_grad_sums(grad_output, input, mean, invstd, ctx.eps)
+            sum_dy, second_sum, sum_dy_xhat = _local_grad_sums(grad_output, input, stats)
         else:
-            sum_dy = second_sum = sum_dy_xhat = mean.new_zeros(mean.numel())
+            sum_dy = second_sum = sum_dy_xhat = torch.zeros_like(stats.mean)
         # The local weight and bias gradients (DDP sums them with every other gradient).
         grad_weight = _cast(sum_dy_xhat, weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = _cast(sum_dy, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-
         grad_input = None
         if ctx.needs_input_grad[0]:
             sums = torch.stack((sum_dy, second_sum))
             _all_reduce_sum(sums, ctx.process_group)
-            if ctx.local_count == 0:
-                grad_input = torch.zeros_like(input)
-            else:
-                w = _cast(weight, mean.dtype) if weight is not None else None
-                grad_input = _grad_input(grad_output, input, w, mean, var, invstd, sums, total_count, ctx.eps)
+            w = _cast(weight, stats.mean.dtype) if weight is not None else None
+            grad_input = _grad_input(grad_output, input, w, stats, sums) if ctx.local_count else torch.zeros_like(input)
         return (grad_input, grad_weight, grad_bias, *no_grads)
 
 
