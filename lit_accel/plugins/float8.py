@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lit_accel.plugins._float8_padding import RowPadding
+from lit_accel.plugins._module_swap import swap_modules
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -224,30 +225,26 @@ class Float8Conversion:
         if not eligible:
             raise ValueError(f"Float8Conversion: {_nothing_to_convert(report)}")
 
-        memo: dict[int, nn.Module] = {}
+        converted: list[nn.Module] = []
 
-        def convert(module: nn.Module) -> nn.Module:
-            if id(module) in memo:  # a layer shared at several places stays shared
-                return memo[id(module)]
-            out = module
-            if id(module) in eligible:
-                out = convert_to_float8_training(module, config=config)  # a Linear root: returns the new layer
-                out.train(module.training)
-                for name in _SHARED_HOOKS:
-                    if isinstance(getattr(module, name, None), dict):
-                        setattr(out, name, getattr(module, name))
-                out._is_full_backward_hook = getattr(module, "_is_full_backward_hook", None)
-                if config.enable_fsdp_float8_all_gather:
-                    out.register_state_dict_post_hook(_plain_weight_in_state_dict)
-                out.__dict__[_ORIGINAL] = module
-            memo[id(module)] = out
-            for name, child in list(module._modules.items()):
-                out._modules[name] = None if child is None else convert(child)
+        def convert(module: nn.Module) -> nn.Module | None:
+            if id(module) not in eligible:
+                return None
+            out = convert_to_float8_training(module, config=config)  # a Linear root: returns the new layer
+            out.train(module.training)
+            for name in _SHARED_HOOKS:
+                if isinstance(getattr(module, name, None), dict):
+                    setattr(out, name, getattr(module, name))
+            out._is_full_backward_hook = getattr(module, "_is_full_backward_hook", None)
+            if config.enable_fsdp_float8_all_gather:
+                out.register_state_dict_post_hook(_plain_weight_in_state_dict)
+            out.__dict__[_ORIGINAL] = module
+            converted.append(out)
             return out
 
-        model = convert(model)
+        model = swap_modules(model, convert)
         if not config.pad_inner_dim:  # (torchao pads every GEMM's inner dimension itself then)
-            self._padding.install([memo[key] for key in eligible])
+            self._padding.install(converted)
         self.report = report
         rank_zero_info(report.message)
         return model
@@ -264,25 +261,17 @@ class Float8Conversion:
             The model with its original Linear layers.
         """
         self._padding.remove()
-        memo: dict[int, nn.Module] = {}
 
-        def revert(module: nn.Module) -> nn.Module:
-            if id(module) in memo:
-                return memo[id(module)]
+        def revert(module: nn.Module) -> nn.Module | None:
             original = module.__dict__.get(_ORIGINAL)
-            out = module
             if original is not None:
                 # The converted layer holds the current tensors (``.to()`` may have replaced them since apply).
                 for name, param in module._parameters.items():
                     original._parameters[name] = _plain_parameter(param)
                 original.training = module.training
-                out = original
-            memo[id(module)] = out
-            for name, child in list(module._modules.items()):
-                out._modules[name] = None if child is None else revert(child)
-            return out
+            return original
 
-        return revert(model)
+        return swap_modules(model, revert)
 
     def _plan(self, model: nn.Module, emulated: bool, device_type: str) -> tuple[set[int], Float8Report]:
         from torchao.float8.float8_linear import Float8Linear
