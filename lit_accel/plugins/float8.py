@@ -1,17 +1,10 @@
 """FP8 training of ``nn.Linear`` layers through torchao, reversibly: the conversion behind ``"fp8-mixed"``.
 
-torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` for its ``Float8Linear``, which casts the input, the weight
-and the output gradient to float8 with dynamic scales and multiplies them in FP8 (or, emulated, in fp32 on the
-dequantized float8 values), keeping the fp32 parameters. This module adds what a Trainer integration needs around it:
-
-* which layers convert: plain ``nn.Linear`` whose in/out features are multiples of 16 (what the FP8 GEMMs accept),
-  minus a user filter checked against the model's module names; a report says why each other Linear was left out;
-  their input rows (batch x tokens) are padded to a multiple of 16 when a batch needs it (``RowPadding``);
-* where FP8 matmuls run: tensor cores on CUDA GPUs of compute capability >= 8.9, emulation elsewhere (a pure function,
-  :func:`resolve_emulation`);
-* an exact revert to the original module objects, with unchanged ``state_dict`` keys and dtypes.
-
-Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes: ``docs/precision.md`` (FP8).
+torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` for its ``Float8Linear`` (input, weight and output gradient
+cast to float8 with dynamic scales; FP8 matmuls, or fp32 ones on the dequantized values when emulated). This module adds
+what a Trainer integration needs around it: which layers convert (multiples of 16, a user filter, a report of why
+others did not; unaligned input rows padded by ``RowPadding``), where FP8 runs (:func:`resolve_emulation`), and an exact
+revert. Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes: ``docs/precision.md``.
 """
 
 from __future__ import annotations
@@ -55,13 +48,8 @@ _MAX_LISTED = 4  # layers named in the one-line message; the report holds all of
 def resolve_emulation(device_type: str, capability: tuple[int, int] | None, emulate: bool | None) -> bool:
     """Whether the FP8 matmuls must be emulated: the decision, as a pure function of the device and the user's choice.
 
-    Args:
-        device_type: ``torch.device.type`` of the device the layers will run on (``"cuda"``, ``"cpu"``, ...).
-        capability: CUDA compute capability ``(major, minor)``, or None where there is none (ignored off CUDA).
-        emulate: None (automatic), True (always emulate), False (require FP8 tensor cores).
-
-    Returns:
-        True to emulate (FP8 casts and scales, matmuls in fp32 on the dequantized values), False for FP8 tensor cores.
+    ``capability`` is the CUDA compute capability (ignored off CUDA); ``emulate`` None decides, True always emulates,
+    False requires FP8 tensor cores. True: FP8 casts and scales, matmuls in fp32 on the dequantized values.
 
     Raises:
         RuntimeError: a CUDA GPU below compute capability 8.9 without ``emulate=True``, or ``emulate=False`` on a
@@ -195,10 +183,8 @@ class Float8Conversion:
     def emulation_for(self, device: torch.device | str) -> bool:
         """Whether :meth:`apply` would emulate on ``device`` (raises as :func:`resolve_emulation` does)."""
         device = torch.device(device)
-        capability = None
-        if device.type == "cuda" and torch.cuda.is_available():
-            capability = torch.cuda.get_device_capability(device)
-        return resolve_emulation(device.type, capability, self.emulate)
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        return resolve_emulation(device.type, torch.cuda.get_device_capability(device) if cuda else None, self.emulate)
 
     def apply(self, model: nn.Module, device: torch.device | str) -> nn.Module:
         """Convert the eligible Linear layers of ``model`` in place and log the report.
@@ -250,15 +236,9 @@ class Float8Conversion:
         return model
 
     def revert(self, model: nn.Module) -> nn.Module:
-        """Put back the Linear objects :meth:`apply` replaced, pointing at the current (trained) parameters.
+        """Put back the Linear objects :meth:`apply` replaced in ``model`` (unwrapped from DDP first).
 
-        The user's classes, attributes and hooks come back; other modules are untouched.
-
-        Args:
-            model: a model returned by :meth:`apply` (unwrapped from DDP first).
-
-        Returns:
-            The model with its original Linear layers.
+        They point at the current (trained) parameters; the user's classes, attributes and hooks come back.
         """
         self._padding.remove()
 

@@ -92,16 +92,11 @@ class AccelSyncBatchNorm(LayerSync):
 
     @override
     def apply(self, model: Module) -> Module:
-        """Convert every BatchNorm layer of ``model`` to a synchronised one sharing its parameters and buffers.
+        """Convert every BatchNorm layer of ``model`` in place to a synchronised one sharing its parameters and buffers.
 
         Call it on every rank, after the default process group exists: it creates the sub-groups with
-        ``torch.distributed.new_group`` (all ranks, same order). Layers already synchronised are left alone.
-
-        Args:
-            model: the model (typically the LightningModule), converted in place; a BatchNorm root is replaced.
-
-        Returns:
-            The converted model.
+        ``torch.distributed.new_group`` (all ranks, same order). Layers already synchronised are left alone; a
+        BatchNorm root is replaced (returned).
 
         Raises:
             ValueError: ``group_size`` does not divide the world size, or ``implementation="torch"`` while the layers
@@ -115,17 +110,10 @@ class AccelSyncBatchNorm(LayerSync):
 
     @override
     def revert(self, model: Module) -> Module:
-        """Put back the modules :meth:`apply` replaced, with the current parameters and buffers.
+        """Put back the modules :meth:`apply` replaced in ``model`` (possibly moved to another device since).
 
-        Layers converted by :meth:`apply` (with either implementation) become their original objects again — the
-        user's classes and attributes — pointing at the synchronised layer's parameters and buffers, so the trained
-        values, the current running statistics and the ``state_dict`` keys carry over. Other modules are untouched.
-
-        Args:
-            model: a model returned by :meth:`apply` (possibly moved to another device since).
-
-        Returns:
-            The model with its original BatchNorm layers.
+        They come back as the user's objects (classes, attributes) pointing at the synchronised layers' parameters and
+        buffers, so the trained values, the current running statistics and the ``state_dict`` keys carry over.
         """
         return swap_modules(model, _original_with_current_tensors)
 

@@ -3,13 +3,10 @@
 ``torch.nn.SyncBatchNorm`` only runs on CUDA-like devices (on CPU/gloo DDP rejects it and ``torch.batch_norm_stats``
 has no CPU kernel). :class:`SyncBatchNorm` does the work with torch's own batch-norm kernels on every device:
 
-* **forward**: this rank's ``[Σx, Σx², n]`` (``2C+1`` numbers) from its centred moments, all-reduced; the output is
-  ``torch.native_batch_norm`` in inference mode fed with the *global* mean and variance: plain BatchNorm's
-  element-wise kernel. The local moments come from ``torch.batch_norm_update_stats`` (plain BatchNorm's statistics
-  kernel), except for float32/float64 inputs in the contiguous ``(N, C, *)`` layout on CPU, where that kernel is a
-  scalar loop that costs more than the rest of the layer (``benchmarks/RESULTS.md``, SyncBatchNorm): there three
-  vectorised sums read them around a per-channel shift ``K`` (``Σx`` gives ``K``; then ``Σ(x−K)`` and ``Σ(x−K)²``,
-  with ``x−K`` held in the output's memory before the output is written there).
+* **forward**: this rank's ``[Σx, Σx², n]`` (``2C+1`` numbers) from its centred moments (BatchNorm's statistics kernel
+  ``batch_norm_update_stats``, or vectorised sums around a shift where that kernel is a scalar loop), all-reduced; the
+  output is ``torch.native_batch_norm`` in inference mode fed with the *global* mean and variance: plain BatchNorm's
+  element-wise kernel.
 * **backward**: local ``Σdy`` and ``Σdy·x̂`` from ``native_batch_norm_backward`` (on CUDA ``Σdy`` and ``Σdy·(x−μ)``
   from ``batch_norm_backward_reduce``), all-reduced as one ``2C`` tensor; then the BatchNorm input gradient with the
   global sums, ``dx = γσ⁻¹·(dy − mean(dy) − x̂·mean(dy·x̂))``: ``batch_norm_backward_elemt`` on CUDA, elsewhere one
@@ -294,14 +291,9 @@ class SyncBatchNorm(_BatchNorm):
     as with ``torch.nn.SyncBatchNorm``.
 
     Args:
-        num_features: number of channels ``C`` of an input of shape ``(N, C, *)``.
-        eps: added to the variance for numerical stability.
-        momentum: running-statistics update factor; ``None`` for a cumulative moving average.
-        affine: learn a per-channel weight and bias.
-        track_running_stats: keep running mean/variance (used in eval mode); ``False`` uses batch statistics always.
+        num_features, eps, momentum, affine, track_running_stats, device, dtype: as ``torch.nn.BatchNorm2d``'s
+            (``num_features`` is ``C`` of an ``(N, C, *)`` input; ``momentum=None``: a cumulative moving average).
         process_group: the ranks whose batches are normalised together; ``None`` is the whole world.
-        device: device of the parameters and buffers.
-        dtype: dtype of the parameters and buffers.
         bias: with ``affine``, learn the bias too (``False``: weight only).
 
     Raises:
