@@ -90,13 +90,11 @@ class Float8Report:
     @property
     def message(self) -> str:
         """One line for the log: how many converted, which were left out and why."""
-        where = (
-            f"emulated on {self.device_type}: FP8 numerics, not FP8 speed"
-            if self.emulated
-            else f"FP8 tensor cores on {self.device_type}"
-        )
+        where = "emulated on {}: FP8 numerics, not FP8 speed" if self.emulated else "FP8 tensor cores on {}"
         total = len(self.converted) + len(self.skipped)
-        text = f"FP8 (torchao, {where}): {len(self.converted)} of {total} Linear layers converted"
+        text = (
+            f"FP8 (torchao, {where.format(self.device_type)}): {len(self.converted)} of {total} Linear layers converted"
+        )
         if self.skipped:
             listed = [f"{name or '<root>'} ({why})" for name, why in list(self.skipped.items())[:_MAX_LISTED]]
             more = len(self.skipped) - len(listed)

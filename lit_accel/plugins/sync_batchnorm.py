@@ -17,10 +17,8 @@ has no CPU kernel). :class:`SyncBatchNorm` does the work with torch's own batch-
 Numerics: the ``2C+1`` statistics are combined in float64, because ``E[x²] − E[x]²`` in float32 loses the variance
 when ``|mean| ≫ std`` (error about ``2⁻²⁴·mean²``: with mean 1e3 and std 1, several percent). The local moments are
 centred (two-pass or Welford kernels, or sums around the shift ``K``, for which ``x − K`` is exact near the mean), so
-float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no float64). Statistics are float32 for
-float16/bfloat16 inputs (read without conversion on CPU and CUDA); the output has the input's dtype, and channels-last
-inputs stay channels-last without copies. Only training-mode forwards communicate; eval mode uses the running
-statistics (or the local batch's, without them), as torch's layer does.
+float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no float64). float16/bfloat16 inputs are read
+without conversion on CPU and CUDA; the output keeps the input's dtype and memory format, without copies.
 """
 
 from __future__ import annotations
@@ -334,17 +332,13 @@ class SyncBatchNorm(_BatchNorm):
         if input.shape[1] == 0:
             raise ValueError("SyncBatchNorm: the input has no channels (shape[1] == 0).")
 
-    def _needs_sync(self) -> bool:
-        # Same rule as torch.nn.SyncBatchNorm: only training-mode forwards communicate.
-        if not (self.training and dist.is_available() and dist.is_initialized()):
-            return False
-        return dist.get_world_size(self.process_group) > 1
-
     @override
     def forward(self, input: Tensor) -> Tensor:
         """Normalise ``input`` with the group's batch statistics in training, the running ones in eval mode."""
         self._check_input_dim(input)
-        if not self._needs_sync():
+        # Same rule as torch.nn.SyncBatchNorm: only training-mode forwards communicate.
+        distributed = self.training and dist.is_available() and dist.is_initialized()
+        if not (distributed and dist.get_world_size(self.process_group) > 1):
             return super().forward(input)
 
         momentum: float | Tensor = 0.0 if self.momentum is None else self.momentum
