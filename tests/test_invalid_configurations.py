@@ -322,7 +322,7 @@ CONSTRUCTION_ROWS: dict[str, tuple[Callable[[], Any], Row]] = {
     ),
     "accel_sync_batchnorm-non_positive_group_size": (
         lambda: AccelSyncBatchNorm(group_size=0),
-        Row(ValueError, r"group_size=0\)", r"positive int or None", r"Pass e.g. group_size=8"),
+        Row(ValueError, r"group_size=0\)", r"an int >= 1 or None", r"Fix: pass e.g. group_size=8"),
     ),
 }
 

@@ -46,11 +46,6 @@ class RowPadding:
         self._handles: list[RemovableHandle] = []
         self._leading: dict[int, tuple[int, ...]] = {}  # id(layer) -> the unpadded input's leading dimensions
 
-    @property
-    def layers(self) -> int:
-        """How many layers are padded."""
-        return len(self._handles) // 2
-
     def install(self, layers: list[nn.Module]) -> None:
         """Pad the input rows of each layer where they are not aligned.
 

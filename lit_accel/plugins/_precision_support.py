@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import LBFGS, Optimizer
 
+from lit_accel.plugins.float8 import Float8Conversion
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ __all__ = [
     "TORCH_SCALER_KEYS",
     "check_optimizers",
     "check_scaler",
+    "float8_conversion",
     "has_grads",
     "refuse_self_unscaling",
     "resolve_precision",
@@ -76,6 +78,28 @@ def check_scaler(owner: str, precision: str, scaler: object) -> None:
         )
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"{owner}(scaler={scaler!r}): expected a torch.amp.GradScaler. Fix: pass DynamicGradScaler().")
+
+
+def float8_conversion(owner: str, precision: str, float8: Any, float8_filter: Any) -> Float8Conversion | None:
+    """``"fp8-mixed"``'s conversion from ``float8`` (a ``Float8LinearConfig`` or a ready conversion) and the filter.
+
+    Raises:
+        ValueError: FP8 settings with another precision, or a filter besides a ready conversion.
+    """
+    given = "float8" if float8 is not None else "float8_filter" if float8_filter is not None else None
+    if precision != "fp8-mixed" and given:
+        raise ValueError(
+            f"{owner}({precision!r}, {given}=...): FP8 settings only apply to 'fp8-mixed'. Fix: pass"
+            f" precision='fp8-mixed', or drop {given}."
+        )
+    if not isinstance(float8, Float8Conversion):
+        return Float8Conversion(float8, module_filter=float8_filter) if precision == "fp8-mixed" else None
+    if float8_filter is not None:
+        raise ValueError(
+            f"{owner}('fp8-mixed', float8=Float8Conversion(...), float8_filter=...): the conversion has its own"
+            " module_filter. Fix: pass Float8Conversion(config, module_filter=...) alone."
+        )
+    return float8
 
 
 # ---------------------------------------------------------------------- optimizers

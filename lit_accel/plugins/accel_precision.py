@@ -16,7 +16,6 @@ from typing_extensions import override
 
 from lit_accel.plugins import _precision_support as support
 from lit_accel.plugins._min_scale import MinScaleStop
-from lit_accel.plugins._precision_float8 import Float8Training
 from lit_accel.plugins.float8 import Float8Conversion, Float8Report, ModuleFilter
 from lit_accel.plugins.grad_scaler import DynamicGradScaler
 from lit_accel.protocols import SkippedStepRecord
@@ -83,8 +82,8 @@ class AccelPrecision(MixedPrecision):
         self.precision = precision  # type: ignore[assignment]
         self._device_arg = device
         self.min_scale_stop = MinScaleStop(name, on_min_scale, min_scale_check_interval)
-        fp8 = precision == "fp8-mixed" or float8 is not None or float8_filter is not None
-        self._float8 = Float8Training(name, precision, float8, float8_filter) if fp8 else None
+        self._float8 = support.float8_conversion(name, precision, float8, float8_filter)
+        self._fp8_model: nn.Module | None = None  # the model converted at setup, reverted at teardown
         #: The record of each optimizer's last step (by id): skipped or not, a 0-d device flag where only the device
         #: knows (fused optimizers, torch's GradScaler). Skip-aware schedulers read it through ``step_was_skipped``.
         self._skipped: dict[int, bool | Tensor] = {}
@@ -99,7 +98,7 @@ class AccelPrecision(MixedPrecision):
     @property
     def float8_report(self) -> Float8Report | None:
         """``"fp8-mixed"``: the Linear layers converted at setup and why the others were not (``None`` before)."""
-        return None if self._float8 is None else self._float8.conversion.report
+        return None if self._float8 is None else self._float8.report
 
     @property
     def loss_scale(self) -> float:
@@ -168,15 +167,25 @@ class AccelPrecision(MixedPrecision):
         """``"fp8-mixed"``: convert the eligible Linear layers in place (before the strategy wraps or shards them)."""
         if self._float8 is None:
             return module
-        trainer = support.trainer_of(module)
-        device = trainer.strategy.root_device if trainer is not None else torch.device(self.device)
-        return self._float8.convert(module, device)
+        if self._fp8_model is not module:  # a strategy that converts twice (setup after a restart): done already
+            trainer = support.trainer_of(module)
+            device = trainer.strategy.root_device if trainer is not None else torch.device(self.device)
+            self._fp8_model = self._float8.apply(module, device)
+        return self._fp8_model
 
     @override
     @contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
-        """As ``forward_context``; ``"fp8-mixed"`` leaves inference mode (torchao's float8 tensors fail under it)."""
-        with self._float8.eval_context() if self._float8 is not None else nullcontext(), self.forward_context():
+        """As ``forward_context``; ``"fp8-mixed"`` evaluates under ``no_grad`` instead of inference mode.
+
+        Under inference mode, CPU autocast sends torchao's float8 tensors an ``aten.to.dtype``, which they do not
+        implement; ``no_grad`` records no graph and saves no tensors either.
+        """
+        leave = self._float8 is not None and torch.is_inference_mode_enabled()
+        inference_off, no_grad = (
+            (torch.inference_mode(False), torch.no_grad()) if leave else (nullcontext(), nullcontext())
+        )
+        with inference_off, no_grad, self.forward_context():
             yield
 
     test_step_context = val_step_context
@@ -239,8 +248,15 @@ class AccelPrecision(MixedPrecision):
     @override
     def teardown(self) -> None:
         """``"fp8-mixed"``: put the original Linear layers back (unless sharding holds the converted ones)."""
-        if self._float8 is not None:
-            self._float8.revert()
+        model, self._fp8_model = self._fp8_model, None
+        if model is not None:
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in model.parameters()):
+                # FSDP2 holds the converted layers (its parameters point at them): swapping them would detach it.
+                rank_zero_info(f"{type(self).__name__}('fp8-mixed'): the sharded model keeps its Float8Linear layers.")
+            else:
+                self._float8.revert(model)
         super().teardown()
 
     # ------------------------------------------------------------------ checkpointing

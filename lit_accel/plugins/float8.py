@@ -1,17 +1,10 @@
 """FP8 training of ``nn.Linear`` layers through torchao, reversibly: the conversion behind ``"fp8-mixed"``.
 
-torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` for its ``Float8Linear``, which casts the input, the weight
-and the output gradient to float8 with dynamic scales and multiplies them in FP8 (or, emulated, in fp32 on the
-dequantized float8 values), keeping the fp32 parameters. This module adds what a Trainer integration needs around it:
-
-* which layers convert: plain ``nn.Linear`` whose in/out features are multiples of 16 (what the FP8 GEMMs accept),
-  minus a user filter checked against the model's module names; a report says why each other Linear was left out;
-  their input rows (batch x tokens) are padded to a multiple of 16 when a batch needs it (``RowPadding``);
-* where FP8 matmuls run: tensor cores on CUDA GPUs of compute capability >= 8.9, emulation elsewhere (a pure function,
-  :func:`resolve_emulation`);
-* an exact revert to the original module objects, with unchanged ``state_dict`` keys and dtypes.
-
-Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes: ``docs/precision.md`` (FP8).
+torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` for its ``Float8Linear`` (input, weight and output gradient
+cast to float8 with dynamic scales; FP8 matmuls, or fp32 ones on the dequantized values when emulated). This module adds
+what a Trainer integration needs around it: which layers convert (multiples of 16, a user filter, a report of why
+others did not; unaligned input rows padded by ``RowPadding``), where FP8 runs (:func:`resolve_emulation`), and an exact
+revert. Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes: ``docs/precision.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lit_accel.plugins._float8_padding import RowPadding
+from lit_accel.plugins._module_swap import swap_modules
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -54,13 +48,8 @@ _MAX_LISTED = 4  # layers named in the one-line message; the report holds all of
 def resolve_emulation(device_type: str, capability: tuple[int, int] | None, emulate: bool | None) -> bool:
     """Whether the FP8 matmuls must be emulated: the decision, as a pure function of the device and the user's choice.
 
-    Args:
-        device_type: ``torch.device.type`` of the device the layers will run on (``"cuda"``, ``"cpu"``, ...).
-        capability: CUDA compute capability ``(major, minor)``, or None where there is none (ignored off CUDA).
-        emulate: None (automatic), True (always emulate), False (require FP8 tensor cores).
-
-    Returns:
-        True to emulate (FP8 casts and scales, matmuls in fp32 on the dequantized values), False for FP8 tensor cores.
+    ``capability`` is the CUDA compute capability (ignored off CUDA); ``emulate`` None decides, True always emulates,
+    False requires FP8 tensor cores. True: FP8 casts and scales, matmuls in fp32 on the dequantized values.
 
     Raises:
         RuntimeError: a CUDA GPU below compute capability 8.9 without ``emulate=True``, or ``emulate=False`` on a
@@ -101,13 +90,11 @@ class Float8Report:
     @property
     def message(self) -> str:
         """One line for the log: how many converted, which were left out and why."""
-        where = (
-            f"emulated on {self.device_type}: FP8 numerics, not FP8 speed"
-            if self.emulated
-            else f"FP8 tensor cores on {self.device_type}"
-        )
+        where = "emulated on {}: FP8 numerics, not FP8 speed" if self.emulated else "FP8 tensor cores on {}"
         total = len(self.converted) + len(self.skipped)
-        text = f"FP8 (torchao, {where}): {len(self.converted)} of {total} Linear layers converted"
+        text = (
+            f"FP8 (torchao, {where.format(self.device_type)}): {len(self.converted)} of {total} Linear layers converted"
+        )
         if self.skipped:
             listed = [f"{name or '<root>'} ({why})" for name, why in list(self.skipped.items())[:_MAX_LISTED]]
             more = len(self.skipped) - len(listed)
@@ -194,10 +181,8 @@ class Float8Conversion:
     def emulation_for(self, device: torch.device | str) -> bool:
         """Whether :meth:`apply` would emulate on ``device`` (raises as :func:`resolve_emulation` does)."""
         device = torch.device(device)
-        capability = None
-        if device.type == "cuda" and torch.cuda.is_available():
-            capability = torch.cuda.get_device_capability(device)
-        return resolve_emulation(device.type, capability, self.emulate)
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        return resolve_emulation(device.type, torch.cuda.get_device_capability(device) if cuda else None, self.emulate)
 
     def apply(self, model: nn.Module, device: torch.device | str) -> nn.Module:
         """Convert the eligible Linear layers of ``model`` in place and log the report.
@@ -224,65 +209,47 @@ class Float8Conversion:
         if not eligible:
             raise ValueError(f"Float8Conversion: {_nothing_to_convert(report)}")
 
-        memo: dict[int, nn.Module] = {}
+        converted: list[nn.Module] = []
 
-        def convert(module: nn.Module) -> nn.Module:
-            if id(module) in memo:  # a layer shared at several places stays shared
-                return memo[id(module)]
-            out = module
-            if id(module) in eligible:
-                out = convert_to_float8_training(module, config=config)  # a Linear root: returns the new layer
-                out.train(module.training)
-                for name in _SHARED_HOOKS:
-                    if isinstance(getattr(module, name, None), dict):
-                        setattr(out, name, getattr(module, name))
-                out._is_full_backward_hook = getattr(module, "_is_full_backward_hook", None)
-                if config.enable_fsdp_float8_all_gather:
-                    out.register_state_dict_post_hook(_plain_weight_in_state_dict)
-                out.__dict__[_ORIGINAL] = module
-            memo[id(module)] = out
-            for name, child in list(module._modules.items()):
-                out._modules[name] = None if child is None else convert(child)
+        def convert(module: nn.Module) -> nn.Module | None:
+            if id(module) not in eligible:
+                return None
+            out = convert_to_float8_training(module, config=config)  # a Linear root: returns the new layer
+            out.train(module.training)
+            for name in _SHARED_HOOKS:
+                if isinstance(getattr(module, name, None), dict):
+                    setattr(out, name, getattr(module, name))
+            out._is_full_backward_hook = getattr(module, "_is_full_backward_hook", None)
+            if config.enable_fsdp_float8_all_gather:
+                out.register_state_dict_post_hook(_plain_weight_in_state_dict)
+            out.__dict__[_ORIGINAL] = module
+            converted.append(out)
             return out
 
-        model = convert(model)
+        model = swap_modules(model, convert)
         if not config.pad_inner_dim:  # (torchao pads every GEMM's inner dimension itself then)
-            self._padding.install([memo[key] for key in eligible])
+            self._padding.install(converted)
         self.report = report
         rank_zero_info(report.message)
         return model
 
     def revert(self, model: nn.Module) -> nn.Module:
-        """Put back the Linear objects :meth:`apply` replaced, pointing at the current (trained) parameters.
+        """Put back the Linear objects :meth:`apply` replaced in ``model`` (unwrapped from DDP first).
 
-        The user's classes, attributes and hooks come back; other modules are untouched.
-
-        Args:
-            model: a model returned by :meth:`apply` (unwrapped from DDP first).
-
-        Returns:
-            The model with its original Linear layers.
+        They point at the current (trained) parameters; the user's classes, attributes and hooks come back.
         """
         self._padding.remove()
-        memo: dict[int, nn.Module] = {}
 
-        def revert(module: nn.Module) -> nn.Module:
-            if id(module) in memo:
-                return memo[id(module)]
+        def revert(module: nn.Module) -> nn.Module | None:
             original = module.__dict__.get(_ORIGINAL)
-            out = module
             if original is not None:
                 # The converted layer holds the current tensors (``.to()`` may have replaced them since apply).
                 for name, param in module._parameters.items():
                     original._parameters[name] = _plain_parameter(param)
                 original.training = module.training
-                out = original
-            memo[id(module)] = out
-            for name, child in list(module._modules.items()):
-                out._modules[name] = None if child is None else revert(child)
-            return out
+            return original
 
-        return revert(model)
+        return swap_modules(model, revert)
 
     def _plan(self, model: nn.Module, emulated: bool, device_type: str) -> tuple[set[int], Float8Report]:
         from torchao.float8.float8_linear import Float8Linear

@@ -261,8 +261,9 @@ class DynamicGradScaler(torch.amp.GradScaler):
     def state_dict(self) -> dict[str, Any]:
         """The entries of torch's scaler plus settings, streak and every counter, as Python numbers (syncs)."""
         state = {**super().state_dict(), **dict(zip(_COUNTERS, self._counts.tolist()))}
-        state.update(hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale)
-        state["dynamic"] = self.dynamic
+        state.update(
+            hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale, dynamic=self.dynamic
+        )
         return state
 
     @override

@@ -1,18 +1,12 @@
 """``AccelSyncBatchNorm``: Lightning's layer-sync plugin, made portable, group-aware and exactly reversible.
 
-Lightning's ``Trainer(sync_batchnorm=True)`` uses ``TorchSyncBatchNorm``, which converts to ``torch.nn.SyncBatchNorm``
-(CUDA only: on CPU/gloo the DDP constructor raises "SyncBatchNorm layers only work with GPU modules"), always syncs
-the whole world, and whose ``revert`` rebuilds ``_BatchNormXd`` modules instead of the user's classes. This plugin
-
-* converts every ``_BatchNorm`` (BatchNorm1d/2d/3d and user subclasses) to a synchronised layer that shares the same
-  ``Parameter`` objects and buffers, so optimizer state and checkpoints keep working: the portable
-  :class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm` (any backend), or torch's fused CUDA kernels
-  (``torch.nn.SyncBatchNorm``) where they apply;
-* synchronises within consecutive groups of ``group_size`` ranks (``[0..k-1]``, ``[k..2k-1]``, ...), as Apex's
-  ``convert_syncbn_model(process_group=...)`` did, e.g. one node;
-* reverts to the *original module objects* (their classes, attributes and hooks), pointed at the trained parameters
-  and the current buffers (``model.to(device)`` replaces buffer tensors after ``apply``), with unchanged
-  ``state_dict`` keys.
+Lightning's ``Trainer(sync_batchnorm=True)`` converts to ``torch.nn.SyncBatchNorm`` (CUDA only: on CPU/gloo the DDP
+constructor raises "SyncBatchNorm layers only work with GPU modules"), always syncs the whole world, and its
+``revert`` rebuilds ``_BatchNormXd`` modules instead of the user's classes. This plugin converts every ``_BatchNorm``
+to a synchronised layer sharing its ``Parameter`` objects and buffers (optimizer state and checkpoints keep working),
+syncs within consecutive groups of ``group_size`` ranks as Apex's ``convert_syncbn_model(process_group=...)`` did, and
+reverts to the original module objects (classes, attributes, hooks) with the trained parameters and current buffers
+(``model.to(device)`` replaces buffer tensors after ``apply``) under unchanged ``state_dict`` keys.
 """
 
 from __future__ import annotations
@@ -26,7 +20,9 @@ from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from lit_accel.plugins._module_swap import swap_modules
 from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
+from lit_accel.utilities._validation import check_choice, check_int
 
 __all__ = ["AccelSyncBatchNorm", "count_batchnorm_layers"]
 
@@ -56,10 +52,6 @@ def is_synced_batchnorm(module: Module) -> bool:
     return isinstance(module, (SyncBatchNorm, torch.nn.SyncBatchNorm))
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 class AccelSyncBatchNorm(LayerSync):
     """Synchronise BatchNorm statistics across ranks (or groups of ranks) on any backend, and undo it exactly.
 
@@ -73,8 +65,7 @@ class AccelSyncBatchNorm(LayerSync):
             unless a measurement on CUDA with NCCL found torch's faster (``AUTO_ON_CUDA_NCCL``). Same result.
 
     Raises:
-        TypeError: ``group_size`` is not an int or None.
-        ValueError: ``group_size`` is not positive, or ``implementation`` is not one of the three.
+        TypeError: ``group_size`` is not an int or None. ValueError: it is below 1, or ``implementation`` is unknown.
 
     Example::
 
@@ -88,21 +79,8 @@ class AccelSyncBatchNorm(LayerSync):
     """
 
     def __init__(self, group_size: int | None = None, implementation: _Implementation = "auto") -> None:
-        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
-            raise TypeError(
-                f"AccelSyncBatchNorm(group_size={group_size!r}): expected a positive int or None (the whole world),"
-                f" got {type(group_size).__name__}. Pass e.g. group_size=8 to synchronise the 8 GPUs of each node."
-            )
-        if group_size is not None and group_size < 1:
-            raise ValueError(
-                f"AccelSyncBatchNorm(group_size={group_size}): expected a positive int or None (the whole world)."
-                " Pass e.g. group_size=8 to synchronise the 8 GPUs of each node, or 1 for local BatchNorm."
-            )
-        if implementation not in get_args(_Implementation):
-            raise ValueError(
-                f"AccelSyncBatchNorm(implementation={implementation!r}): expected one of"
-                f" {list(get_args(_Implementation))}. Use 'auto' unless you need to force one."
-            )
+        check_int("AccelSyncBatchNorm", "group_size", group_size, allow_none=True, example=8)
+        check_choice("AccelSyncBatchNorm", "implementation", implementation, get_args(_Implementation), "'auto'")
         self.group_size = group_size
         self.implementation: _Implementation = implementation
         #: Number of layers the last :meth:`apply` converted.
@@ -114,16 +92,11 @@ class AccelSyncBatchNorm(LayerSync):
 
     @override
     def apply(self, model: Module) -> Module:
-        """Convert every BatchNorm layer of ``model`` to a synchronised one sharing its parameters and buffers.
+        """Convert every BatchNorm layer of ``model`` in place to a synchronised one sharing its parameters and buffers.
 
         Call it on every rank, after the default process group exists: it creates the sub-groups with
-        ``torch.distributed.new_group`` (all ranks, same order). Layers already synchronised are left alone.
-
-        Args:
-            model: the model (typically the LightningModule), converted in place; a BatchNorm root is replaced.
-
-        Returns:
-            The converted model.
+        ``torch.distributed.new_group`` (all ranks, same order). Layers already synchronised are left alone; a
+        BatchNorm root is replaced (returned).
 
         Raises:
             ValueError: ``group_size`` does not divide the world size, or ``implementation="torch"`` while the layers
@@ -131,28 +104,18 @@ class AccelSyncBatchNorm(LayerSync):
         """
         self.process_group = self._create_group()
         todo = [m for m in model.modules() if isinstance(m, _BatchNorm) and not is_synced_batchnorm(m)]
-        self.num_converted = 0
-        self.resolved_implementation = None
-        if not todo:
-            return model
-        self.resolved_implementation = self._resolve_implementation(todo[0])
-        return self._convert(model, {})
+        self.num_converted = len(todo)  # modules() lists a shared layer once, and it is converted once
+        self.resolved_implementation = self._resolve_implementation(todo[0]) if todo else None
+        return swap_modules(model, self._to_sync) if todo else model
 
     @override
     def revert(self, model: Module) -> Module:
-        """Put back the modules :meth:`apply` replaced, with the current parameters and buffers.
+        """Put back the modules :meth:`apply` replaced in ``model`` (possibly moved to another device since).
 
-        Layers converted by :meth:`apply` (with either implementation) become their original objects again — the
-        user's classes and attributes — pointing at the synchronised layer's parameters and buffers, so the trained
-        values, the current running statistics and the ``state_dict`` keys carry over. Other modules are untouched.
-
-        Args:
-            model: a model returned by :meth:`apply` (possibly moved to another device since).
-
-        Returns:
-            The model with its original BatchNorm layers.
+        They come back as the user's objects (classes, attributes) pointing at the synchronised layers' parameters and
+        buffers, so the trained values, the current running statistics and the ``state_dict`` keys carry over.
         """
-        return self._revert(model, {})
+        return swap_modules(model, _original_with_current_tensors)
 
     def _create_group(self) -> Any | None:
         initialized = dist.is_available() and dist.is_initialized()
@@ -162,7 +125,8 @@ class AccelSyncBatchNorm(LayerSync):
             raise ValueError(
                 f"AccelSyncBatchNorm(group_size={k}): the group size must divide the world size {world_size}"
                 f" (groups are consecutive ranks [0..k-1], [k..2k-1], ...). Valid group sizes for world size"
-                f" {world_size}: {_divisors(world_size)}. Pick one of them, or group_size=None for the whole world."
+                f" {world_size}: {[d for d in range(1, world_size + 1) if world_size % d == 0]}. Pick one of them, or"
+                " group_size=None for the whole world."
             )
         if k is None or k == world_size:
             return None
@@ -190,20 +154,9 @@ class AccelSyncBatchNorm(LayerSync):
             return "torch"
         return AUTO_ON_CUDA_NCCL if device == "cuda" and "nccl" in backend else "portable"
 
-    def _convert(self, module: Module, memo: dict[int, Module]) -> Module:
-        if id(module) in memo:  # a layer shared at several places stays shared
-            return memo[id(module)]
-        out = module
-        if isinstance(module, _BatchNorm) and not is_synced_batchnorm(module):
-            out = self._to_sync(module)
-            self.num_converted += 1
-        memo[id(module)] = out
-        # `_modules`, not `named_children()`, which lists a module registered under two names only once.
-        for name, child in list(module._modules.items()):
-            out._modules[name] = None if child is None else self._convert(child, memo)
-        return out
-
-    def _to_sync(self, bn: _BatchNorm) -> Module:
+    def _to_sync(self, bn: Module) -> Module | None:
+        if not isinstance(bn, _BatchNorm) or is_synced_batchnorm(bn):
+            return None
         cls = torch.nn.SyncBatchNorm if self.resolved_implementation == "torch" else SyncBatchNorm
         # Built on the meta device: its own tensors are replaced by the original's right away.
         sync = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, device="meta")
@@ -222,19 +175,13 @@ class AccelSyncBatchNorm(LayerSync):
         sync.__dict__[_ORIGINAL] = bn
         return sync
 
-    def _revert(self, module: Module, memo: dict[int, Module]) -> Module:
-        if id(module) in memo:
-            return memo[id(module)]
-        original = module.__dict__.get(_ORIGINAL)
-        out = module
-        if original is not None:
-            # The synced layer holds the current tensors: `.to()`/`.cuda()` after apply replaced its buffers (and,
-            # with swapped module params, its parameters), not the original's.
-            original._parameters.update(module._parameters)
-            original._buffers.update(module._buffers)
-            original.training = module.training
-            out = original
-        memo[id(module)] = out
-        for name, child in list(module._modules.items()):
-            out._modules[name] = None if child is None else self._revert(child, memo)
-        return out
+
+def _original_with_current_tensors(module: Module) -> Module | None:
+    original = module.__dict__.get(_ORIGINAL)
+    if original is not None:
+        # The synced layer holds the current tensors: `.to()`/`.cuda()` after apply replaced its buffers (and, with
+        # swapped module params, its parameters), not the original's.
+        original._parameters.update(module._parameters)
+        original._buffers.update(module._buffers)
+        original.training = module.training
+    return original

@@ -3,26 +3,27 @@
 ``torch.nn.SyncBatchNorm`` only runs on CUDA-like devices (on CPU/gloo DDP rejects it and ``torch.batch_norm_stats``
 has no CPU kernel). :class:`SyncBatchNorm` does the work with torch's own batch-norm kernels on every device:
 
-* **forward**: local mean and biased variance from ``torch.batch_norm_update_stats`` (plain BatchNorm's statistics
-  kernel), all-reduced as ``[Σx, Σx², n]`` (``2C+1`` numbers); the output is ``torch.native_batch_norm`` in
-  inference mode fed with the *global* mean and variance: plain BatchNorm's element-wise kernel.
+* **forward**: this rank's ``[Σx, Σx², n]`` (``2C+1`` numbers) from its centred moments (BatchNorm's statistics kernel
+  ``batch_norm_update_stats``, or vectorised sums around a shift where that kernel is a scalar loop), all-reduced; the
+  output is ``torch.native_batch_norm`` in inference mode fed with the *global* mean and variance: plain BatchNorm's
+  element-wise kernel.
 * **backward**: local ``Σdy`` and ``Σdy·x̂`` from ``native_batch_norm_backward`` (on CUDA ``Σdy`` and ``Σdy·(x−μ)``
   from ``batch_norm_backward_reduce``), all-reduced as one ``2C`` tensor; then the BatchNorm input gradient with the
   global sums, ``dx = γσ⁻¹·(dy − mean(dy) − x̂·mean(dy·x̂))``: ``batch_norm_backward_elemt`` on CUDA, elsewhere one
-  inference-mode ``native_batch_norm`` pass over ``x`` and one in-place ``addcmul_`` of ``dy``. The weight and bias
-  gradients stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them like every other gradient.
+  inference-mode ``native_batch_norm`` pass over ``x`` and one in-place ``addcmul_`` of ``dy`` (no CPU kernel does
+  it in one pass). The weight and bias gradients stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them like
+  every other gradient.
 
 Numerics: the ``2C+1`` statistics are combined in float64, because ``E[x²] − E[x]²`` in float32 loses the variance
 when ``|mean| ≫ std`` (error about ``2⁻²⁴·mean²``: with mean 1e3 and std 1, several percent). The local moments are
-centred (two-pass or Welford kernels), so float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no
-float64). Statistics are float32 for float16/bfloat16 inputs (read without conversion on CPU and CUDA); the output
-has the input's dtype, and channels-last inputs stay channels-last without copies. Only training-mode forwards
-communicate; eval mode uses the running statistics (or the local batch's, without them), as torch's layer does.
+centred (two-pass or Welford kernels, or sums around the shift ``K``, for which ``x − K`` is exact near the mean), so
+float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no float64). float16/bfloat16 inputs are read
+without conversion on CPU and CUDA; the output keeps the input's dtype and memory format, without copies.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,22 +55,94 @@ def _channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
-def _local_moments(input: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and biased variance of ``input`` in ``compute_dtype``, read in its own dtype and layout."""
+class _Stats(NamedTuple):
+    """The group's statistics, in the dtype BatchNorm's kernels compute in (``count``: 0-d, float64 off MPS)."""
+
+    mean: Tensor
+    var: Tensor
+    invstd: Tensor
+    count: Tensor
+    eps: float
+
+
+def _sums_around_a_shift(input: Tensor) -> bool:
+    """Whether :func:`_local_sums` reads ``input`` with vectorised sums around a shift.
+
+    BatchNorm's CPU statistics kernel runs a scalar loop for float32/float64 in the contiguous ``(N, C, *)`` layout;
+    its channels-last, ``(N, C)`` and float16/bfloat16 paths are vectorised. The sums pay off once rows (``*``) hold
+    16 values or more and the input 2¹⁶ (below, their dozen extra small ops cost more: ``benchmarks/RESULTS.md``).
+    """
+    return (
+        input.device.type == "cpu"
+        and input.dtype in (torch.float32, torch.float64)
+        and input.stride(1) >= 16
+        and input.numel() >= 1 << 16
+        and input.is_contiguous()
+    )
+
+
+def _local_sums(input: Tensor, count: int, compute_dtype: torch.dtype, scratch: Tensor | None) -> Tensor:
+    """This rank's ``[Σx, Σx², n]`` in the statistics' dtype, from centred moments (or sums around a shift)."""
+    stats_dtype = _stats_dtype(compute_dtype, input.device)
+    if count == 0:  # an empty rank still joins the collective, or its peers would wait forever
+        return input.new_zeros(2 * input.shape[1] + 1, dtype=stats_dtype)
+    if scratch is not None:
+        # Shift K = Σx/n (the local mean up to float32 rounding), d = x − K in `scratch`, then Σd and Σd²:
+        # Σx = nK + Σd and Σx² = Σd² + K·(2Σd + nK) = Σd² + K·(Σx + Σd), in float64.
+        dims = [0, *range(2, input.dim())]
+        shift = input.mean(dims)
+        d = torch.sub(input, _channel_view(shift, input.dim()), out=scratch)
+        sum_d = d.sum(dims).to(stats_dtype)
+        sum_d2 = d.square_().sum(dims)
+        k = shift.to(stats_dtype)
+        sum_x = torch.add(sum_d, k, alpha=count)
+        return torch.cat((sum_x, torch.addcmul(sum_d2, k, sum_x + sum_d), sum_x.new_full((1,), count)))
     if input.dtype == compute_dtype:
-        return torch.batch_norm_update_stats(input, None, None, 0.0)
-    if input.device.type not in ("cpu", "cuda"):
-        return torch.batch_norm_update_stats(input.to(compute_dtype), None, None, 0.0)
-    # On CPU, a float16/bfloat16 input with float32 "running" buffers selects the kernel's mixed-precision path
-    # (float32 accumulation and outputs; the CUDA kernel's outputs are float32 anyway) without converting the input.
-    # The buffers are scratch; momentum 0 leaves them be.
-    scratch = torch.zeros(2, input.shape[1], dtype=compute_dtype, device=input.device)
-    return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
+        mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+    elif input.device.type in ("cpu", "cuda"):
+        # A float16/bfloat16 input with float32 "running" buffers selects the kernel's mixed-precision path (float32
+        # accumulation and outputs) without converting the input. The buffers are scratch; momentum 0 leaves them be.
+        buffers = torch.zeros(2, input.shape[1], dtype=compute_dtype, device=input.device)
+        mean, var = torch.batch_norm_update_stats(input, buffers[0], buffers[1], 0.0)
+    else:
+        mean, var = torch.batch_norm_update_stats(input.to(compute_dtype), None, None, 0.0)
+    m = _cast(mean, stats_dtype)
+    # n·[mean, var + mean², 1]; addcmul computes in m's dtype (float64), so mean² is added without float32 rounding.
+    return torch.cat((m, torch.addcmul(var, m, m), m.new_ones(1))).mul_(count)
 
 
-def _local_grad_sums(
-    grad_output: Tensor, input: Tensor, mean: Tensor, invstd: Tensor, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def _global_stats(combined: Tensor, total_count: Tensor, compute_dtype: torch.dtype, eps: float) -> _Stats:
+    """The group's statistics from the all-reduced ``[Σx, Σx², N]`` and ``N`` (its last entry)."""
+    # Rows: the global mean and E[x²], then (in place) the biased variance E[x²] − mean².
+    moments = combined[:-1].view(2, -1).div_(total_count)
+    global_mean, global_sq = moments
+    global_sq.addcmul_(global_mean, global_mean, value=-1).clamp_min_(0.0)
+    mean, var = moments.to(compute_dtype)
+    return _Stats(mean, var, torch.rsqrt(var + eps), total_count, eps)
+
+
+def _normalize(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, stats: _Stats, out: Tensor | None = None
+) -> Tensor:
+    """``(x − mean)·invstd·weight + bias`` per channel: BatchNorm's element-wise kernel fed these statistics.
+
+    For ``(N, C)`` inputs on CPU that kernel steps through the channels one value at a time; there its own formula,
+    ``x·α + β`` with ``α = invstd·weight`` and ``β = bias − mean·α``, runs as one broadcast ``addcmul`` instead.
+    """
+    mean, var, invstd, _, eps = stats
+    if x.dim() == 2 and x.device.type == "cpu" and x.dtype == mean.dtype:
+        alpha = invstd if weight is None else invstd * weight
+        beta = torch.mul(mean, alpha).neg_() if bias is None else torch.addcmul(bias, mean, alpha, value=-1)
+        return torch.addcmul(beta, x, alpha)
+    if out is None:
+        return torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, eps)[0]
+    unused = mean.new_empty(0)  # the kernel's saved mean and invstd: none in inference mode
+    return torch.ops.aten.native_batch_norm.out(
+        x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=unused, save_invstd=unused
+    )[0]
+
+
+def _local_grad_sums(grad_output: Tensor, input: Tensor, stats: _Stats) -> tuple[Tensor, Tensor, Tensor]:
     """Local ``Σdy``, the second sum to all-reduce, and ``Σdy·x̂`` (the weight gradient), in the statistics' dtype.
 
     The second sum is ``Σdy·(x−μ)`` on CUDA, the quantity its ``batch_norm_backward_elemt`` kernel takes, and
@@ -77,53 +150,59 @@ def _local_grad_sums(
     """
     if input.is_cuda:
         sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
-            grad_output, input, mean, invstd, None, True, False, False
+            grad_output, input, stats.mean, stats.invstd, None, True, False, False
         )
-        return sum_dy, sum_dy_xmu, sum_dy_xmu * invstd
+        return sum_dy, sum_dy_xmu, sum_dy_xmu * stats.invstd
     # Σdy·x̂ and Σdy are the weight and bias gradients of a BatchNorm with these statistics, whatever its weight. The
     # CPU kernel takes none; other backends' kernels may allocate the weight gradient like the weight, so get one.
-    unit_weight = None if input.device.type == "cpu" else torch.ones_like(mean)
+    unit_weight = None if input.device.type == "cpu" else torch.ones_like(stats.mean)
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        grad_output, input, unit_weight, None, None, mean, invstd, True, eps, [False, True, True]
+        grad_output, input, unit_weight, None, None, stats.mean, stats.invstd, True, stats.eps, [False, True, True]
     )
     return sum_dy, sum_dy_xhat, sum_dy_xhat
 
 
-def _grad_input(
-    grad_output: Tensor,
-    input: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    invstd: Tensor,
-    sums: Tensor,
-    total_count: Tensor,
-    eps: float,
-) -> Tensor:
+def _grad_input(grad_output: Tensor, input: Tensor, weight: Tensor | None, stats: _Stats, sums: Tensor) -> Tensor:
     """``dx = γσ⁻¹·(dy − Σdy/N − x̂·Σdy·x̂/N)`` from the group's sums (see :func:`_local_grad_sums`)."""
-    num_channels = mean.numel()
     if input.is_cuda:
-        sum_dy, sum_dy_xmu = sums.split(num_channels)
+        sum_dy, sum_dy_xmu = sums
+        count = stats.count.to(torch.int32).view(1)
         return torch.batch_norm_backward_elemt(
-            grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, total_count.to(torch.int32).view(1)
+            grad_output, input, stats.mean, stats.invstd, weight, sum_dy, sum_dy_xmu, count
         )
     # No fused CPU kernel for this: the last two terms are an affine function of x̂, i.e. an inference-mode
-    # BatchNorm of x with weight −γσ⁻¹·mean(dy·x̂) and bias −γσ⁻¹·mean(dy) (one native pass, the forward's
+    # BatchNorm of x with weight −γσ⁻¹·mean(dy·x̂) and bias −γσ⁻¹·mean(dy) (one element-wise pass, the forward's
     # rounding); one addcmul_ then adds γσ⁻¹·dy in place.
-    scale = invstd if weight is None else invstd * weight
-    bias_coef, weight_coef = (sums / total_count).view(2, num_channels).mul_(scale).neg_()
+    scale = stats.invstd if weight is None else stats.invstd * weight
+    bias_coef, weight_coef = (sums / stats.count).mul_(scale).neg_()
     x, dy = input, grad_output
-    if input.dtype != mean.dtype:
+    if input.dtype != stats.mean.dtype:
         # float16/bfloat16: float32 arithmetic, rounded once at the end. CPU elementwise kernels are several times
         # slower on mixed dtypes than a conversion, so both operands are converted first.
-        x, dy = input.to(mean.dtype), grad_output.to(mean.dtype)
-    grad_input = torch.native_batch_norm(x, weight_coef, bias_coef, mean, var, False, 0.0, eps)[0]
+        x, dy = input.to(stats.mean.dtype), grad_output.to(stats.mean.dtype)
+    grad_input = _normalize(x, weight_coef, bias_coef, stats)
     grad_input.addcmul_(dy, _channel_view(scale, input.dim()))
     return _cast(grad_input, input.dtype)
 
 
+def _group_is_empty(total_count: Tensor, input: Tensor) -> bool:
+    """Whether no rank holds a sample (nothing to normalise or learn; BatchNorm keeps its running statistics then).
+
+    Raises if the group holds one value per channel. Reads the count on the host, so only a rank holding at most one
+    sample calls it (only such a rank can be part of a global count <= 1); every rank of such a group raises.
+    """
+    global_count = int(total_count.item())
+    if global_count == 1:
+        raise ValueError(
+            "SyncBatchNorm: expected more than 1 value per channel across the process group when training,"
+            f" got 1 (this rank's input size {tuple(input.shape)}). Use more samples per step, or put the"
+            " layer in eval mode."
+        )
+    return global_count == 0
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode BatchNorm over a process group; saves only the input, weight, mean, var and count."""
+    """Training-mode BatchNorm over a process group; saves the input, weight and the group's statistics."""
 
     @staticmethod
     def forward(
@@ -137,69 +216,38 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         momentum: float | Tensor,
         process_group: Any,
     ) -> Tensor:
-        num_channels = input.shape[1]
-        local_count = input.numel() // num_channels if num_channels else 0
+        channels = input.shape[1]
+        local_count = input.numel() // channels if channels else 0
         # float32 statistics for float16/bfloat16/float32 inputs, float64 for float64 ones (the floating types BatchNorm
         # takes: torch.promote_types(dtype, float32), without its dispatch).
         compute_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
-        stats_dtype = _stats_dtype(compute_dtype, input.device)
-
-        # Local sums n·[mean, var + mean², 1] = [Σx, Σx², n] from centred local moments: no float32 cancellation.
-        if local_count > 0:
-            local_mean, local_var = _local_moments(input, compute_dtype)
-            m = local_mean.to(stats_dtype)
-            combined = torch.cat([m, torch.addcmul(local_var.to(stats_dtype), m, m), m.new_ones(1)])
-            combined.mul_(local_count)
-        else:
-            # An empty rank still joins the collective, or its peers would wait forever.
-            combined = input.new_zeros(2 * num_channels + 1, dtype=stats_dtype)
+        # With sums around a shift, the output's memory holds x − K until the output is written there.
+        out = torch.empty_like(input) if local_count and _sums_around_a_shift(input) else None
+        combined = _local_sums(input, local_count, compute_dtype, out)
         _all_reduce_sum(combined, process_group)
         # 0-d: dividing a tensor by it keeps that tensor's dtype (float32 gradients sums, float64 statistics).
         total_count = combined[-1]
-
-        if local_count <= 1:
-            # Only a rank holding at most one sample can be part of a global count <= 1, so only such a rank pays this
-            # host read; ranks with more samples skip it. Every rank of a group with a global count of 1 raises here.
-            global_count = int(total_count.item())
-            if global_count == 1:
-                raise ValueError(
-                    "SyncBatchNorm: expected more than 1 value per channel across the process group when training,"
-                    f" got 1 (this rank's input size {tuple(input.shape)}). Use more samples per step, or put the"
-                    " layer in eval mode."
-                )
-            if global_count == 0:
-                # Every rank of the group was empty: nothing to normalise and nothing to learn (plain BatchNorm
-                # leaves its running statistics alone on an empty batch too).
-                ctx.skip_all = True
-                ctx.save_for_backward(input)
-                return torch.empty_like(input)
-        ctx.skip_all = False
-
-        # Rows: the global mean and E[x²], then (in place) the biased variance E[x²] − mean².
-        moments = combined[:-1].view(2, num_channels).div_(total_count)
-        global_mean, global_sq = moments
-        global_sq.addcmul_(global_mean, global_mean, value=-1).clamp_min_(0.0)
-        mean, var = moments.to(compute_dtype)
+        ctx.skip_all = local_count <= 1 and _group_is_empty(total_count, input)
+        if ctx.skip_all:
+            ctx.save_for_backward(input)
+            return torch.empty_like(input)
+        stats = _global_stats(combined, total_count, compute_dtype, eps)
         if running_mean is not None and running_var is not None:
             # Unbiased running variance over the *global* count, as plain BatchNorm on the joint batch would keep.
             # `momentum` is a 0-d tensor for momentum=None (1/num_batches_tracked): no host sync.
-            # var·N/(N−1) = var + var/(N−1)
-            unbiased_var = torch.addcdiv(var, var, total_count - 1)
+            unbiased_var = torch.addcdiv(stats.var, stats.var, total_count - 1)  # var·N/(N−1) = var + var/(N−1)
             w = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
-            running_mean.lerp_(_cast(mean, running_mean.dtype), w)
+            running_mean.lerp_(_cast(stats.mean, running_mean.dtype), w)
             running_var.lerp_(_cast(unbiased_var, running_var.dtype), w)
-
-        ctx.save_for_backward(input, weight, mean, var, total_count)
-        ctx.eps = eps
+        ctx.save_for_backward(input, weight, *stats[:4])
+        ctx.eps, ctx.process_group, ctx.local_count = eps, process_group, local_count
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.process_group = process_group
-        ctx.local_count = local_count
         if local_count == 0:
             return torch.empty_like(input)
-        # Plain BatchNorm's element-wise kernel with the global statistics as its "running" ones.
+        # Plain BatchNorm's element-wise step with the global statistics.
         w = _cast(weight, compute_dtype) if weight is not None else None
         b = _cast(bias, compute_dtype) if bias is not None else None
-        return torch.native_batch_norm(input, w, b, mean, var, False, 0.0, eps)[0]
+        return _normalize(input, w, b, stats, out)
 
     @staticmethod
     @once_differentiable
@@ -208,25 +256,21 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.skip_all:
             (input,) = ctx.saved_tensors
             return (torch.zeros_like(input) if ctx.needs_input_grad[0] else None, None, None, *no_grads)
-        input, weight, mean, var, total_count = ctx.saved_tensors
-        invstd = torch.rsqrt(var + ctx.eps)
+        input, weight, *tensors = ctx.saved_tensors
+        stats = _Stats(*tensors, ctx.eps)
         if ctx.local_count > 0:
-            sum_dy, second_sum, sum_dy_xhat = _local_grad_sums(grad_output, input, mean, invstd, ctx.eps)
+            sum_dy, second_sum, sum_dy_xhat = _local_grad_sums(grad_output, input, stats)
         else:
-            sum_dy = second_sum = sum_dy_xhat = mean.new_zeros(mean.numel())
+            sum_dy = second_sum = sum_dy_xhat = torch.zeros_like(stats.mean)
         # The local weight and bias gradients (DDP sums them with every other gradient).
         grad_weight = _cast(sum_dy_xhat, weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = _cast(sum_dy, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-
         grad_input = None
         if ctx.needs_input_grad[0]:
-            sums = torch.cat([sum_dy, second_sum])
+            sums = torch.stack((sum_dy, second_sum))
             _all_reduce_sum(sums, ctx.process_group)
-            if ctx.local_count == 0:
-                grad_input = torch.zeros_like(input)
-            else:
-                w = _cast(weight, mean.dtype) if weight is not None else None
-                grad_input = _grad_input(grad_output, input, w, mean, var, invstd, sums, total_count, ctx.eps)
+            w = _cast(weight, stats.mean.dtype) if weight is not None else None
+            grad_input = _grad_input(grad_output, input, w, stats, sums) if ctx.local_count else torch.zeros_like(input)
         return (grad_input, grad_weight, grad_bias, *no_grads)
 
 
@@ -245,14 +289,9 @@ class SyncBatchNorm(_BatchNorm):
     as with ``torch.nn.SyncBatchNorm``.
 
     Args:
-        num_features: number of channels ``C`` of an input of shape ``(N, C, *)``.
-        eps: added to the variance for numerical stability.
-        momentum: running-statistics update factor; ``None`` for a cumulative moving average.
-        affine: learn a per-channel weight and bias.
-        track_running_stats: keep running mean/variance (used in eval mode); ``False`` uses batch statistics always.
+        num_features, eps, momentum, affine, track_running_stats, device, dtype: as ``torch.nn.BatchNorm2d``'s
+            (``num_features`` is ``C`` of an ``(N, C, *)`` input; ``momentum=None``: a cumulative moving average).
         process_group: the ranks whose batches are normalised together; ``None`` is the whole world.
-        device: device of the parameters and buffers.
-        dtype: dtype of the parameters and buffers.
         bias: with ``affine``, learn the bias too (``False``: weight only).
 
     Raises:
@@ -293,17 +332,13 @@ class SyncBatchNorm(_BatchNorm):
         if input.shape[1] == 0:
             raise ValueError("SyncBatchNorm: the input has no channels (shape[1] == 0).")
 
-    def _needs_sync(self) -> bool:
-        # Same rule as torch.nn.SyncBatchNorm: only training-mode forwards communicate.
-        if not (self.training and dist.is_available() and dist.is_initialized()):
-            return False
-        return dist.get_world_size(self.process_group) > 1
-
     @override
     def forward(self, input: Tensor) -> Tensor:
         """Normalise ``input`` with the group's batch statistics in training, the running ones in eval mode."""
         self._check_input_dim(input)
-        if not self._needs_sync():
+        # Same rule as torch.nn.SyncBatchNorm: only training-mode forwards communicate.
+        distributed = self.training and dist.is_available() and dist.is_initialized()
+        if not (distributed and dist.get_world_size(self.process_group) > 1):
             return super().forward(input)
 
         momentum: float | Tensor = 0.0 if self.momentum is None else self.momentum

@@ -143,7 +143,7 @@ def test_scaling_tiny_writes_the_plot_and_a_unit_baseline(tmp_path):
 
 
 @pytest.mark.slow
-def test_syncbn_tiny_measures_three_cases_and_their_communication_limit(tmp_path):
+def test_syncbn_tiny_measures_three_cases_their_communication_limit_and_the_ratio_to_it(tmp_path):
     result, _ = _run("syncbn.py", tmp_path, "--tiny")
     cases = result["cases"]
     assert list(cases) == ["nchw", "channels_last", "bn1d"]
@@ -153,6 +153,13 @@ def test_syncbn_tiny_measures_three_cases_and_their_communication_limit(tmp_path
         assert case["ratio_portable_over_local"]["n"] == result["setup"]["reps"] == 3
         # (local + the two bare collectives) / local: above 1 whatever the machine's speed.
         assert case["communication_limit_ratio"]["min"] > 1
+        # The target and its CPU-time and collectives-in-place companions, per case, paired per repetition.
+        for key in ("ratio_portable_over_local_plus_all_reduces", "ratio_portable_over_bn_with_all_reduces"):
+            assert case[key]["n"] == case[f"cpu_{key}"]["n"] == 3 and case[key]["min"] > 0
+        assert set(case["median_ms"]) >= {"all_reduces_fwd_bwd", "bn_with_all_reduces_fwd_bwd"}
+        # Local BatchNorm: its forward and backward kernels; the portable layer dispatches more, but a bounded number.
+        ops = case["aten_ops_per_step"]
+        assert 2 <= ops["local_bn"] < ops["portable_syncbn"] <= 60, ops
     # The script's original keys are the nchw case's.
     assert result["median_ms"] == cases["nchw"]["median_ms"]
     assert result["ratio_portable_over_local"] == cases["nchw"]["ratio_portable_over_local"]["median"]

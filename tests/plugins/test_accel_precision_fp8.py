@@ -139,3 +139,13 @@ def test_validation_and_validate_run_under_inference_mode():
     trainer.fit(model, loader, loader)
     result = trainer.validate(model, loader)[0]
     assert math.isfinite(result["val_loss"])
+
+
+def test_a_model_is_converted_once_and_its_linear_layers_come_back_at_teardown():
+    plugin, model = AccelPrecision("fp8-mixed", device="cpu"), _untrained()
+    linear = model.net[0]
+    converted = plugin.convert_module(model)
+    assert type(converted.net[0]).__name__ == "Float8Linear"
+    assert plugin.convert_module(converted) is converted  # a strategy converting again (setup after a restart)
+    plugin.teardown()
+    assert converted.net[0] is linear

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lit_accel.plugins.sync_batchnorm as sbn
+from lit_accel.plugins._module_swap import swap_modules
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, count_batchnorm_layers
 from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
 from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
@@ -112,7 +113,7 @@ def test_revert_restores_layers_converted_with_the_torch_implementation():
     bns = [model[1], model[2]]
     plugin = AccelSyncBatchNorm(implementation="torch")
     plugin.resolved_implementation = "torch"
-    synced = plugin._convert(model, {})
+    synced = swap_modules(model, plugin._to_sync)
     assert [type(m) for m in synced] == [nn.Linear, nn.SyncBatchNorm, nn.SyncBatchNorm]
     assert synced[1].weight is bns[0].weight
     with torch.no_grad():
@@ -130,11 +131,11 @@ def test_count_batchnorm_layers():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(group_size=0), ValueError, r"AccelSyncBatchNorm\(group_size=0\): expected a positive int or None"),
-        (dict(group_size=-2), ValueError, r"group_size=-2\): expected a positive int or None"),
-        (dict(group_size=2.0), TypeError, r"group_size=2.0\): expected a positive int or None .* got float"),
-        (dict(group_size=True), TypeError, r"group_size=True\): expected a positive int or None .* got bool"),
-        (dict(implementation="fast"), ValueError, r"implementation='fast'\): expected one of \['auto', 'portable'"),
+        (dict(group_size=0), ValueError, r"AccelSyncBatchNorm\(group_size=0\): expected an int >= 1 or None\. Fix"),
+        (dict(group_size=-2), ValueError, r"group_size=-2\): expected an int >= 1 or None\. Fix: pass e\.g\. group"),
+        (dict(group_size=2.0), TypeError, r"group_size=2.0\): expected an int >= 1 or None"),
+        (dict(group_size=True), TypeError, r"group_size=True\): expected an int >= 1 or None"),
+        (dict(implementation="fast"), ValueError, r"implementation='fast'\): expected one of 'auto', 'portable'"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], error: type[Exception], match: str):

@@ -58,6 +58,7 @@ def check_joint_batch_equivalence(
     seed: int = 0,
     channels_last: bool = False,
     tol: float = 1e-5,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Run ``steps`` training steps and compare with BatchNorm on the joint batch of ``group_ranks``.
 
@@ -85,14 +86,15 @@ def check_joint_batch_equivalence(
             ref.weight.copy_(torch.rand(num_channels, generator=gen) + 0.5)
             if bias:
                 ref.bias.copy_(torch.randn(num_channels, generator=gen))
-    sync = make_sync(copy.deepcopy(ref))
+    ref.to(dtype)
+    sync = make_sync(copy.deepcopy(ref)).to(dtype)
     channel_scale = torch.rand(num_channels, generator=gen).view(1, -1, *([1] * (len(feature_shape) - 1))) * 3 + 0.2
     tag = f"rank {rank}, sizes {list(sizes)}, shape {tuple(feature_shape)}, affine={affine}, momentum={momentum}"
-    tag += f", track={track}, channels_last={channels_last}, bias={bias}"
+    tag += f", track={track}, channels_last={channels_last}, bias={bias}, {dtype}"
 
     for step in range(steps):
-        inputs = torch.randn(offsets[-1], *feature_shape, generator=gen) * channel_scale + 0.5
-        upstream = torch.randn(offsets[-1], *feature_shape, generator=gen)
+        inputs = (torch.randn(offsets[-1], *feature_shape, generator=gen) * channel_scale + 0.5).to(dtype)
+        upstream = torch.randn(offsets[-1], *feature_shape, generator=gen).to(dtype)
         x_ref = inputs[glo:ghi].clone().requires_grad_()
         y_ref = ref(x_ref)
         (y_ref * upstream[glo:ghi]).sum().backward()
@@ -144,13 +146,42 @@ def _many_configurations(rank: int, world_size: int) -> int:
     check_joint_batch_equivalence(rank, (3, 5), (4, 3, 2), make_portable(), channels_last=True, seed=checked)
     check_joint_batch_equivalence(rank, (1, 1), (4,), make_portable(), momentum=None, seed=checked + 1)
     check_joint_batch_equivalence(rank, (3, 5), (4, 3, 2), make_portable(), bias=False, seed=checked + 2)
-    return checked + 3
+    # float64 layers: statistics and arithmetic in float64 (BatchNorm's kernels; the sums around a shift for large
+    # inputs: test_large_inputs_read_with_sums_around_a_shift_match_the_joint_batch).
+    for seed, shape in enumerate([(4, 3, 2), (4,)], start=checked + 3):
+        check_joint_batch_equivalence(rank, (3, 5), shape, make_portable(), dtype=torch.float64, tol=1e-12, seed=seed)
+    return checked + 5
 
 
 def test_matches_batchnorm_on_the_joint_batch_in_every_configuration():
     """BatchNorm1d/2d/3d x uneven sizes (3+5, 1+4) x affine x momentum (0.1, None) x running stats, 3 steps each;
-    plus channels_last, one sample per rank, and an affine layer without bias."""
-    assert run_distributed(_many_configurations, 2) == [67, 67]
+    plus channels_last, one sample per rank, an affine layer without bias, and float64 layers."""
+    assert run_distributed(_many_configurations, 2) == [69, 69]
+
+
+def _large_inputs(rank: int, world_size: int) -> list[bool]:
+    # (per-rank sizes, per-sample shape, dtype, tolerance): contiguous inputs above the size from which the layer reads
+    # its statistics with sums around a shift; where a rank holds fewer values it uses BatchNorm's kernel, so ranks on
+    # different paths are combined too.
+    cases = [
+        ((5, 3), (16, 32, 32), torch.float32, 1e-5),
+        ((4, 6), (8, 4, 32, 32), torch.float64, 1e-12),
+        ((6, 2), (16, 1024), torch.float32, 1e-5),
+    ]
+    paths = []
+    for seed, (sizes, shape, dtype, tol) in enumerate(cases):
+        paths.append(sbn._sums_around_a_shift(torch.empty(sizes[rank], *shape, dtype=dtype)))
+        affine, momentum, track = seed != 1, (0.1, None, 0.1)[seed], seed != 2
+        check_joint_batch_equivalence(
+            rank, sizes, shape, make_portable(), affine=affine, momentum=momentum, track=track, steps=2, seed=seed,
+            dtype=dtype, tol=tol,
+        )  # fmt: skip
+    return paths
+
+
+def test_large_inputs_read_with_sums_around_a_shift_match_the_joint_batch():
+    """BatchNorm1d/2d/3d inputs above the shifted-sums threshold (float32 and float64), ranks on either path."""
+    assert run_distributed(_large_inputs, 2) == [[True, True, True], [False, True, False]]
 
 
 def _edge_cases(rank: int, world_size: int) -> None:
@@ -283,9 +314,15 @@ def test_autocast_bf16_and_fp16_use_fp32_statistics_and_keep_the_input_dtype():
     run_distributed(_autocast, 2)
 
 
-def _large_mean(rank: int, world_size: int) -> None:
+# Per-sample shapes of the large-mean tests: BatchNorm's statistics kernel reads the small one, the sums around a shift
+# the large one (more than 2**16 values per rank, rows of 64 x 64).
+_LARGE_MEAN_SHAPES = pytest.mark.parametrize("shape", [(3, 4, 4), (3, 64, 64)], ids=["kernel", "shifted_sums"])
+
+
+def _large_mean(rank: int, world_size: int, shape: tuple[int, ...]) -> None:
     """Input mean 1e3, std 1: float32 E[x²]-E[x]² would lose the variance; compare with float64 BatchNorm."""
-    sizes, shape, mean, std = (6, 10), (3, 4, 4), 1e3, 1.0
+    sizes, mean, std = (6, 10), 1e3, 1.0
+    assert sbn._sums_around_a_shift(torch.empty(sizes[rank], *shape)) == (shape[-1] > 4)
     lo, hi = (0, 6) if rank == 0 else (6, 16)
     gen = torch.Generator().manual_seed(2)
     inputs = (torch.randn(sum(sizes), *shape, generator=gen, dtype=torch.float64) * std + mean).float()
@@ -315,8 +352,9 @@ def _large_mean(rank: int, world_size: int) -> None:
     assert (naive_var.double() - true_var).abs().max() > 10 * tol
 
 
-def test_large_mean_small_std_matches_float64_batchnorm():
-    run_distributed(_large_mean, 2)
+@_LARGE_MEAN_SHAPES
+def test_large_mean_small_std_matches_float64_batchnorm(shape):
+    run_distributed(_large_mean, 2, shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -342,10 +380,10 @@ def test_without_distributed_it_is_plain_batchnorm_and_never_communicates(monkey
     assert "process_group=world" in repr(sync)
 
 
-def _large_mean_errors(rank: int, world_size: int) -> dict[str, float]:
+def _large_mean_errors(rank: int, world_size: int, shape: tuple[int, ...]) -> dict[str, float]:
     """The data of ``_large_mean``: errors of the output and running variance over that test's tolerance, with the
     statistics combined in float64 (the layer) and in float32 (``_stats_dtype`` replaced)."""
-    sizes, shape, mean, std = (6, 10), (3, 4, 4), 1e3, 1.0
+    sizes, mean, std = (6, 10), 1e3, 1.0
     lo, hi = (0, 6) if rank == 0 else (6, 16)
     gen = torch.Generator().manual_seed(2)
     inputs = (torch.randn(sum(sizes), *shape, generator=gen, dtype=torch.float64) * std + mean).float()
@@ -364,10 +402,11 @@ def _large_mean_errors(rank: int, world_size: int) -> dict[str, float]:
     return errors
 
 
-def test_large_mean_small_std_needs_the_float64_combination():
+@_LARGE_MEAN_SHAPES
+def test_large_mean_small_std_needs_the_float64_combination(shape):
     # Why the 2C+1 statistics are combined in float64: in float32, E[x²] − E[x]² misses the tolerance of
     # test_large_mean_small_std_matches_float64_batchnorm many times over; in float64 it is within it.
-    for errors in run_distributed(_large_mean_errors, 2):
+    for errors in run_distributed(_large_mean_errors, 2, shape):
         assert errors["float64 output"] <= 1 and errors["float64 running_var"] <= 1, errors
         assert errors["float32 output"] > 10 and errors["float32 running_var"] > 10, errors
 
