@@ -304,6 +304,22 @@ def ddp_logging_data(ddp: object) -> dict[str, int | str]:
     return ddp._get_ddp_logging_data()  # type: ignore[attr-defined]
 
 
+def ddp_bucket_sizes(ddp: Any, rebuilt: bool) -> tuple[int, ...] | None:
+    """Bytes of each of DDP's gradient buckets: the layout built at construction, or the one it rebuilt.
+
+    From :func:`ddp_logging_data` (``bucket_sizes``, ``rebuilt_bucket_sizes``). Before DDP has published the rebuilt
+    layout (at the synchronised forward after the rebuild), the current one is read from the reducer: call it with
+    ``rebuilt=True`` only once DDP has rebuilt (``Reducer._get_zeros_like_grad_buckets`` allocates zeroed buckets).
+    """
+    text = ddp_logging_data(ddp).get("rebuilt_bucket_sizes" if rebuilt else "bucket_sizes")
+    if text:
+        return tuple(int(part) for part in str(text).split(","))
+    if not rebuilt:
+        return None
+    buffers = [bucket.buffer() for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+    return tuple(b.numel() * b.element_size() for b in buffers)
+
+
 # --- HangWatchdog's side channel (tests: tests/utilities/test_compat_watchdog.py) ---
 
 
