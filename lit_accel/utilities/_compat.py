@@ -116,6 +116,13 @@ def grad_scaler_step_skipped(scaler: torch.amp.GradScaler, optimizer: torch.opti
     return state.get(HOST_FOUND_INF, summed)
 
 
+def grad_scaler_host_found_inf(scaler: torch.amp.GradScaler) -> bool | None:
+    """Whether a step since the last ``update()`` overflowed, where the host knows each optimizer's skip (else None)."""
+    flagged = [state for state in scaler._per_optimizer_states.values() if state.get("found_inf_per_device")]
+    known = [state.get(HOST_FOUND_INF) for state in flagged]
+    return None if not known or None in known else any(known)
+
+
 def reset_grad_scaler_tensors(scaler: torch.amp.GradScaler, device_type: str) -> None:
     """Drop the scale and tracker tensors (:func:`init_grad_scaler_tensors` recreates them) and set the device type."""
     scaler._scale = None
