@@ -17,6 +17,7 @@ Arms (``--arms``; every DDP gets ``gradient_as_bucket_view=True``, AccelDDP's de
 * ``accel_ddp``: ``AccelDDP()`` as shipped (report-only HangWatchdog thread);
   ``accel_ddp_no_watchdog``: the same with a benchmark-only ``HangWatchdog`` that never starts (lit_accel has no
   switch to turn the default watchdog off: this arm bounds what it costs);
+* ``ddp_callback``: ``DDPStrategy`` + an empty ``Callback()``: what Lightning's dispatch of one callback's hooks costs;
 * ``ddp_guard``: ``DDPStrategy`` + ``NonFiniteGuard()``, fp32;
 * ``accel_fp16``: ``AccelDDP()`` + ``AccelPrecision("16-mixed")``, the default stack; ``accel_fp16_loss_scale``,
   ``accel_fp16_efficiency``, ``accel_fp16_memory``: the same + one monitor; ``full``: + the three monitors.
@@ -50,6 +51,7 @@ ARMS: dict[str, tuple[str | None, str | None]] = {
     "ddp": (None, None),
     "accel_ddp": ("ddp", "ddp"),
     "accel_ddp_no_watchdog": ("ddp", "ddp"),
+    "ddp_callback": ("ddp", "ddp"),
     "ddp_guard": ("ddp", "ddp"),
     "ddp_fp16": (None, None),
     "accel_fp16": ("ddp_fp16", "ddp_fp16"),
@@ -62,6 +64,7 @@ LIMITS = (("accel_fp16", "ddp_fp16", 0.10), ("full", "ddp_fp16", 0.25), ("accel_
 
 def build(arm: str) -> tuple[Any, list[Any], list[Any]]:
     """``(strategy, plugins, callbacks)`` of an arm."""
+    from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -88,6 +91,8 @@ def build(arm: str) -> tuple[Any, list[Any], list[Any]]:
     elif fp16:
         plugins = [AccelPrecision("16-mixed")]
     callbacks: list[Any] = []
+    if arm == "ddp_callback":
+        callbacks.append(Callback())
     if arm == "accel_ddp_no_watchdog":
         callbacks.append(NoWatchdog())
     if arm == "ddp_guard":
@@ -238,6 +243,8 @@ def profile(args: Any) -> dict[str, Any]:
             ours = sorted(((n, v) for n, v in extra.items() if n.startswith("lit_accel/") and v[0] > 0.005),
                           key=lambda kv: -kv[1][2])[: args.top]  # fmt: skip
             entry["extra_own_time"] = [_row(n, v) for n, v in own_top if v[1] > 0.5]
+            by_calls = sorted(extra.items(), key=lambda kv: -kv[1][0])[: 2 * args.top]
+            entry["extra_calls"] = [_row(n, v) for n, v in by_calls if v[0] > 0.005]
             entry["lit_accel_cumulative"] = [_row(n, v) for n, v in ours]
         out[arm] = entry
     return out
