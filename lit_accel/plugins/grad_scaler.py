@@ -10,16 +10,16 @@ The update policy is DeepSpeed's (``runtime/fp16/loss_scaler.py``, ``consecutive
   ``growth_factor`` (never above ``max_scale``). With ``hysteresis=1`` this is torch's rule clamped to the bounds, so
   ``update()`` runs torch's own one-kernel update and then the clamp and the counters.
 
-Most steps change nothing but the growth tracker and the step count: where every skip of the step is known on the host
-already (non-fused optimizers, whose step reads the flag anyway), the tracker and streak are followed on the host and
-such a step runs no tensor op at all; its counts are written to the device when they are read (``scaler_stats``,
-``state_dict``) or before the next update that needs the device (an overflow, a growth). The scale of the gradients
-(``_grad_scale``) is copied only after the scale may have changed.
+Most steps change only the growth tracker and the step count. Where the host knows every skip already (non-fused
+optimizers: their step reads the flag), it follows tracker and streak, such a step runs no tensor op, and its counts
+reach the device at reads (``scaler_stats``, ``state_dict``) or the next update that needs it (overflow, growth).
+The backward's scale (``_grad_scale``) is copied only after the scale may have changed. Details: docs/precision.md.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -161,15 +161,13 @@ class DynamicGradScaler(torch.amp.GradScaler):
         """Write the clean steps kept on the host into the device counters and tracker (two ops at most)."""
         if self._unwritten_steps:
             self._counts[5].add_(self._unwritten_steps)
-            self._unwritten_steps = 0
         if self._unwritten_tracker:
             self._tracker_tensor().add_(self._unwritten_tracker)
-            self._unwritten_tracker = 0
+        self._unwritten_steps = self._unwritten_tracker = 0
 
     @override
     def _get_growth_tracker(self) -> int:
-        if self._home is not None:
-            self._write_pending()
+        self._write_pending()  # nothing is pending before the device exists
         return super()._get_growth_tracker()
 
     # ------------------------------------------------------------------ scaling
@@ -187,22 +185,24 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._grad_scale_used = self._scale_version
         return super().scale(outputs)
 
-    def _backward_scale(self) -> Tensor | None:
-        """The scale the gradients were computed with, where an ``update()`` may have changed the current one since."""
-        return self._grad_scale if self._grad_scale_used != self._scale_version else None
+    def _at_backward_scale(self) -> AbstractContextManager[None]:
+        """The scale the gradients were computed with, in place of the current one if an ``update()`` ran since."""
+        if self._grad_scale_used == self._scale_version:
+            return nullcontext()  # the usual case
+        return _workarounds.unscale_with_backward_scale(self, self._grad_scale)
 
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the scale they were computed with (torch divides by the current scale)."""
         self._require("unscale_")
-        with _workarounds.unscale_with_backward_scale(self, self._backward_scale()):
+        with self._at_backward_scale():
             super().unscale_(optimizer)
 
     @override
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``GradScaler.step``, unscaling (or handing fused kernels) the scale the gradients were computed with."""
         self._require("step")
-        with _workarounds.unscale_with_backward_scale(self, self._backward_scale()):
+        with self._at_backward_scale():
             return super().step(optimizer, *args, **kwargs)
 
     def _scale_tensor(self) -> Tensor:
@@ -338,8 +338,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The entries of torch's scaler plus settings, streak and every counter, as Python numbers (syncs)."""
-        if self._home is not None:
-            self._write_pending()
+        self._write_pending()
         state = {**super().state_dict(), **dict(zip(_COUNTERS, self._counts.tolist()))}
         state.update(hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale)
         state["dynamic"] = self.dynamic
