@@ -18,6 +18,7 @@ __all__ = [
     "BusBytes",
     "CommStats",
     "CommStatsProvider",
+    "CommTiming",
     "ExposedComm",
     "PipelineBubble",
     "PipelineBubbleStats",
@@ -124,6 +125,20 @@ class ExposedComm(Protocol):
         Called at logging steps only (it may resolve device events): the time from the end of the backward's compute
         to the completion of its last collective (and, for sharded strategies, waits for parameter all-gathers).
         """
+        ...
+
+
+@runtime_checkable
+class CommTiming(Protocol):
+    """Optional, on a ``CommStats`` that times its collectives only for a consumer that asks (timing costs host time).
+
+    A consumer of :meth:`CommStats.pop_elapsed_s` (or ``pop_exposed_s``) calls :meth:`request_timing` before the
+    fit's first backward, e.g. in its ``on_train_start`` (the ``EfficiencyMonitor`` does). Without a request the pops
+    may return 0.0; ``calls`` and ``bytes`` are counted either way.
+    """
+
+    def request_timing(self) -> None:
+        """Time the collectives of this fit from its first backward on."""
         ...
 
 

@@ -19,6 +19,7 @@ from lit_accel import EfficiencyMonitor, LossScaleMonitor
 from lit_accel.protocols import (
     CommStats,
     CommStatsProvider,
+    CommTiming,
     ExposedComm,
     ScalerStats,
     ScalerStatsProvider,
@@ -159,3 +160,23 @@ def test_exposed_comm_is_an_optional_protocol_on_top_of_comm_stats():
     counter = _ExposedCounter()
     assert isinstance(counter, CommStats) and isinstance(counter, ExposedComm)
     assert not isinstance(_Counter(), ExposedComm)
+
+
+class _TimedOnRequest(_Counter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    def request_timing(self) -> None:
+        self.requests += 1
+
+
+def test_comm_timing_is_optional_and_the_efficiency_meter_asks_for_it():
+    from lit_accel import EfficiencyMeter
+    from lit_accel.strategies._comm_stats import HookCommStats
+
+    assert isinstance(HookCommStats(), CommTiming) and not isinstance(_Counter(), CommTiming)
+    counter = _TimedOnRequest()
+    EfficiencyMeter("cpu", world_size=1, comm_stats=counter)
+    EfficiencyMeter("cpu", world_size=1, comm_stats=_Counter())  # a CommStats without it is fine
+    assert counter.requests == 1

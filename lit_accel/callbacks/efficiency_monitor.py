@@ -23,6 +23,7 @@ from lit_accel.meters.efficiency import EfficiencyMeter
 from lit_accel.meters.tables import comm_note, efficiency_table, peaks_caption
 from lit_accel.protocols import CommStatsProvider, PipelineBubbleStats
 from lit_accel.utilities._compat import batches_that_stepped
+from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._peak_flops import PeakLookup, cuda_device_facts, lookup_peaks, matmul_precision
 from lit_accel.utilities._validation import check_int, check_number
 
@@ -126,8 +127,9 @@ class EfficiencyMonitor(Callback):
         self._precision = "fp32"
         self._told_no_peak = False
         self._flop_batch_size = 0.0
-        self._batch_step = 0
+        self._last_step = 0  # global step at the end of the previous batch (a batch that moves it stepped)
         self._step_label = 0
+        idle_unused(self)
 
     @property
     def flops_per_sample(self) -> float | None:
@@ -188,7 +190,10 @@ class EfficiencyMonitor(Callback):
             info=rank_zero_info,
         )
         self._counter = FlopCounter() if counting else None
-        self._step_label = batches_that_stepped(trainer)
+        self._step_label, self._last_step = batches_that_stepped(trainer), trainer.global_step
+        wake(self, "on_before_optimizer_step")
+        if not counting:
+            idle(self, EfficiencyMonitor, "on_before_optimizer_step")  # it only ends the FLOP count
 
     # ------------------------------------------------------------------ per-step path
 
@@ -198,12 +203,11 @@ class EfficiencyMonitor(Callback):
     ) -> None:
         meter = self.meter
         assert meter is not None
-        self._batch_step = trainer.global_step
         counting = self._counter is not None and meter.flops_per_sample is None and not self._counter.active
         if not (meter.measuring or counting):
             meter.batch_start(0)
             return
-        size = self.batch_size_fn(batch) if self.batch_size_fn is not None else extract_batch_size(batch)
+        size = self.batch_size_fn(batch) if self.batch_size_fn is not None else _batch_size(batch)
         if meter.measuring:
             meter.batch_start(size, self.items_fn(batch) if self.items_fn is not None else None)
         else:  # the FLOP-counting micro-batch (a warm-up step)
@@ -233,6 +237,7 @@ class EfficiencyMonitor(Callback):
     def _finish_flop_count(self) -> None:
         if self._counter is None or not self._counter.active:
             return
+        idle(self, EfficiencyMonitor, "on_before_optimizer_step")  # counted: no work before the steps any more
         flops = self._counter.stop()
         assert self.meter is not None
         if flops > 0 and self._flop_batch_size > 0:
@@ -252,7 +257,8 @@ class EfficiencyMonitor(Callback):
         self._finish_flop_count()
         meter = self.meter
         assert meter is not None
-        stepped = trainer.global_step > self._batch_step  # one step, however many optimizers stepped in this batch
+        stepped = trainer.global_step > self._last_step  # one step, however many optimizers stepped in this batch
+        self._last_step = trainer.global_step
         measuring = meter.measuring
         meter.batch_end(stepped)
         if not stepped:
@@ -320,3 +326,18 @@ class EfficiencyMonitor(Callback):
             from rich.console import Console
 
             Console().print(efficiency_table(self.summary, title, peaks_caption(config), config["comm_note"]))
+
+
+def _batch_size(batch: Any) -> int | float | Tensor:
+    """Lightning's ``extract_batch_size``, with its answer for the common batch computed directly.
+
+    A tensor, or a tuple/list of tensors with the same first dimension: that dimension (Lightning's walk would find
+    it first and agree with every other); anything else goes through Lightning's walk (and its warnings).
+    """
+    if isinstance(batch, Tensor) and batch.ndim:
+        return batch.shape[0]
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor) and batch[0].ndim:
+        size = batch[0].shape[0]
+        if all(isinstance(t, Tensor) and t.ndim and t.shape[0] == size for t in batch[1:]):
+            return size
+    return extract_batch_size(batch)

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lit_accel.meters.progress_watchdog import HangReport, ProgressWatchdog
 from lit_accel.utilities._compat import launched_child_processes
+from lit_accel.utilities._idle_hooks import idle_unused
 from lit_accel.utilities._validation import check_number
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class HangWatchdog(Callback):
         self.timeout = float(timeout)
         self.first_step_timeout, self.validation_timeout, self.checkpoint_timeout = map(float, longer.values())
         self._active, self._step, self._step_allowance = False, 0, self.first_step_timeout
+        idle_unused(self)  # the backward's and the optimizer's hooks: Lightning's dispatch skips them
 
     @property
     def report(self) -> HangReport | None:
@@ -78,8 +80,12 @@ class HangWatchdog(Callback):
         self.watchdog.start([proc for _, proc in launched_child_processes(trainer.strategy)])
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._step = trainer.global_step  # restored from a checkpoint after on_fit_start
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._step = trainer.global_step
+        # self._step is the global step already (set at the train start and at the previous batch's end)
         self._enter("training_step", self._step_allowance)  # forward, backward, optimizer step: the stack tells which
 
     @override

@@ -16,6 +16,7 @@ from typing_extensions import override
 from lit_accel.meters._plots import loss_scale_figure, save_report
 from lit_accel.meters.loss_scale import LossScaleMeter
 from lit_accel.utilities._compat import batches_that_stepped, grad_scaler_grads_unscaled
+from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._validation import check_bool, check_int
 
 if TYPE_CHECKING:
@@ -98,7 +99,8 @@ class LossScaleMonitor(Callback):
         self.report_path = None if report_path is None else Path(report_path)
         self._said_why = False
         self._names: dict[int, str] = {}
-        self._batch_start_step = 0
+        self._last_step = 0  # global step at the end of the previous batch (a batch that moves it stepped)
+        idle_unused(self)
 
     @property
     @override
@@ -112,7 +114,13 @@ class LossScaleMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.history = []
+        self._last_step = trainer.global_step
+        hooks = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+        wake(self, *hooks)
+        if not self.track_underflow:  # the hooks before the step have work only for these figures and names
+            idle(self, LossScaleMonitor, *hooks[: 1 if self.find_nonfinite else 2])
         if not self.meter.attach(trainer.precision_plugin, trainer.global_step):
+            idle(self, LossScaleMonitor, *hooks)
             if not self._said_why:
                 rank_zero_info(f"LossScaleMonitor: nothing to log: {self.meter.why}")
                 self._said_why = True
@@ -123,7 +131,6 @@ class LossScaleMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_start_step = trainer.global_step
         self.meter.begin_batch()
 
     @override
@@ -147,9 +154,10 @@ class LossScaleMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # An optimizer step happened iff global_step moved (skipped steps count too): right under accumulation.
-        start, step = self._batch_start_step, trainer.global_step
+        start, step = self._last_step, trainer.global_step
         if not self.meter.active or step == start:
             return
+        self._last_step = step
         self.meter.step(step - start)
         interval = self._interval(trainer)
         batch_steps = batches_that_stepped(trainer) + 1  # Lightning increments it after this hook

@@ -16,6 +16,7 @@ from lit_accel.meters._memory_table import memory_table
 from lit_accel.meters._plots import memory_figure, save_report
 from lit_accel.meters.memory import MemoryMeter
 from lit_accel.utilities._compat import batches_that_stepped
+from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._validation import check_bool
 
 if TYPE_CHECKING:
@@ -84,12 +85,23 @@ class MemoryMonitor(Callback):
         self.meter: MemoryMeter | None = None
         self._step_label = 0
         self._logged_label: int | None = None
-        self._batch_step = 0
+        self._last_step = 0  # global step at the end of the previous batch (a batch that moves it stepped)
+        idle_unused(self)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.meter = MemoryMeter(trainer.strategy.root_device, world_size=trainer.world_size)
         self._step_label, self._logged_label = batches_that_stepped(trainer), None
+        self._last_step = trainer.global_step
+        self._measuring(self.measure_activations)
+
+    def _measuring(self, activations: bool) -> None:
+        """The hooks around the forward run only while one forward's activations are to be measured."""
+        hooks = ("on_train_batch_start", "on_before_backward")
+        if activations:
+            wake(self, *hooks)
+        else:
+            idle(self, MemoryMonitor, *hooks)
 
     def _logging_step(self, trainer: pl.Trainer) -> bool:
         every = trainer.log_every_n_steps
@@ -102,7 +114,6 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.meter is not None
-        self._batch_step = trainer.global_step
         if self.measure_activations and not self.meter.activations_measured:
             self.meter.start_activations(pl_module)
 
@@ -110,6 +121,8 @@ class MemoryMonitor(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         assert self.meter is not None
         self.meter.stop_activations()  # the forward's saved tensors; the backward's recomputation is not held
+        if self.meter.activations_measured:
+            self._measuring(False)
 
     @override
     def on_before_optimizer_step(
@@ -126,8 +139,9 @@ class MemoryMonitor(Callback):
         meter = self.meter
         assert meter is not None
         meter.stop_activations()  # a batch without backward (training_step returned None)
-        if trainer.global_step == self._batch_step:
+        if trainer.global_step == self._last_step:
             return  # no optimizer step in this batch (accumulation)
+        self._last_step = trainer.global_step
         self._step_label = batches_that_stepped(trainer)  # this step's index; Lightning increments it after this hook
         if self._logging_step(trainer):
             self._log(trainer, meter.compute(step=self._step_label))

@@ -12,6 +12,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_accel.utilities import _compat, _workarounds
+from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._lagged_flags import LaggedFlags
 from lit_accel.utilities._validation import check_choice
 
@@ -61,6 +62,7 @@ class NonFiniteGuard(Callback):
         self._skipped: dict[int, bool | Tensor] = {}
         self._count: Tensor | int = 0  # skipped steps; a device tensor once a fused step was counted
         self._lagged = LaggedFlags(lag=1)  # fused + "raise": (flag, (step, batch_idx)), read a step later
+        idle_unused(self)  # one per-step hook: Lightning's dispatch skips the others
 
     @property
     def skipped_steps(self) -> int:
@@ -77,7 +79,9 @@ class NonFiniteGuard(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.active = not (isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled())
         self._skipped, self._lagged = {}, LaggedFlags(lag=1)
+        wake(self, "on_before_optimizer_step")
         if not self.active:
+            idle(self, NonFiniteGuard, "on_before_optimizer_step")  # standing aside: no hook call per step
             rank_zero_info(f"NonFiniteGuard: precision {trainer.precision!r} scales the loss, and its scaler already"
                            " skips steps with inf/NaN gradients; the guard stands aside.")  # fmt: skip
         elif self.action == "skip":
@@ -97,10 +101,10 @@ class NonFiniteGuard(Callback):
             return
         total = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)  # inf/NaN anywhere -> inf/NaN, no overflow
         full_tensor = getattr(total, "full_tensor", None)  # a DTensor (FSDP2): the norm over every rank's shards
-        bad = ~torch.isfinite(full_tensor() if callable(full_tensor) else total)
+        total = full_tensor() if callable(full_tensor) else total
         if _compat.optimizer_handles_amp_scaling(optimizer):
-            self._fused(trainer, optimizer, bad)
-        elif bad:  # the documented sync: whether the step may run
+            self._fused(trainer, optimizer, ~torch.isfinite(total))
+        elif not math.isfinite(total.item()):  # the documented sync: whether the step may run
             self._skip(trainer, optimizer)
         else:
             self._skipped[id(optimizer)] = False

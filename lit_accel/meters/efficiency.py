@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lit_accel.meters._efficiency_metrics import EfficiencyConfig, RankWindow, checked_peak_flops, window_metrics
 from lit_accel.meters._stragglers import StragglerWatch, gather_hostnames
-from lit_accel.protocols import BusBytes, ExposedComm, PipelineBubbleStats
+from lit_accel.protocols import BusBytes, CommTiming, ExposedComm, PipelineBubbleStats
 from lit_accel.utilities._compat import all_gather_flat, dynamo_compile_counts
 from lit_accel.utilities._timing import IntervalTimer, synchronize
 from lit_accel.utilities._validation import check_int, check_number
@@ -74,12 +74,12 @@ class EfficiencyMeter:
         peak_flops: dense peak FLOP/s of one device (or a dict by dtype key, e.g. ``{"bf16": ..., "fp32": ...}``).
         precision: the dtype key of FLOPs given without a split by dtype (``"bf16"``, ``"fp32"``, ...).
         baseline_samples_per_sec: one device's throughput, enabling ``scaling_efficiency``.
-        comm_stats: the strategy's collective counters (:class:`lit_accel.protocols.CommStats`), or ``None``.
+        comm_stats: the strategy's collective counters (:class:`lit_accel.protocols.CommStats`), or ``None``; asked
+            to time its collectives (``CommTiming``): build the meter before the fit's first backward.
         straggler_threshold: a rank is named when its own time exceeds the others' median by more than this share.
         straggler_windows: consecutive windows naming the same rank before the warning.
         max_recompiles: torch.compile recompilations after the warm-up before a warning (``None``: never).
-        clock: host clock in seconds (injectable for tests). warn, info: where warnings (default: rank 0 only) and
-            notes go.
+        clock: host clock in seconds (for tests). warn, info: where warnings (default: rank 0 only) and notes go.
 
     Example::
 
@@ -135,6 +135,8 @@ class EfficiencyMeter:
             straggler_threshold=float(straggler_threshold),
         )
         self.comm_stats = comm_stats
+        if isinstance(comm_stats, CommTiming):
+            comm_stats.request_timing()  # communication time is part of every window (AccelDDP: its timing hook)
         self.count_items = False
         self._clock = clock
         self._warn = warn

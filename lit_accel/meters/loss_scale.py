@@ -204,7 +204,7 @@ class LossScaleMeter:
     # ------------------------------------------------------------------ internals
 
     def _update_min(self, scale: Tensor) -> None:
-        scale = scale.detach().float()
+        scale = (scale.detach() if scale.requires_grad else scale).float()  # one op per step: the minimum
         if self._min_scale is None:
             loaded = self.state["min_scale"]
             self._min_scale = scale.clone()

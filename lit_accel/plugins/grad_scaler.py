@@ -9,11 +9,17 @@ The update policy is DeepSpeed's (``runtime/fp16/loss_scaler.py``, ``consecutive
 * clean step: the streak resets; after ``growth_interval`` consecutive clean steps the scale is multiplied by
   ``growth_factor`` (never above ``max_scale``). With ``hysteresis=1`` this is torch's rule clamped to the bounds, so
   ``update()`` runs torch's own one-kernel update and then the clamp and the counters.
+
+Most steps change only the growth tracker and the step count. Where the host knows every skip already (non-fused
+optimizers: their step reads the flag), it follows tracker and streak, such a step runs no tensor op, and its counts
+reach the device at reads (``scaler_stats``, ``state_dict``) or the next update that needs it (overflow, growth).
+The backward's scale (``_grad_scale``) is copied only after the scale may have changed. Details: docs/precision.md.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -94,6 +100,12 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._counts = torch.tensor(_INITIAL)  # on the host until the device is known (loaded counts wait here)
         self._true: Tensor | None = None  # a constant, so that one stack adds every increment
         self._grad_scale: Tensor | None = None
+        # Tracker and streak followed on the host (None: unknown after a fused step); clean steps not written yet.
+        self._host_tracker: int | None = 0
+        self._host_streak: int | None = 0
+        self._unwritten_steps = self._unwritten_tracker = 0
+        # The scale may change at these versions; _grad_scale holds version ..._copied, the last backward used ..._used.
+        self._scale_version = self._grad_scale_copied = self._grad_scale_used = 0
         if target is not None:
             self.to(target)
 
@@ -138,6 +150,25 @@ class DynamicGradScaler(torch.amp.GradScaler):
         if home is not None:
             _compat.init_grad_scaler_tensors(self, home)
             self._grad_scale = self._scale_tensor().clone()
+            self._grad_scale_copied = self._scale_version
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        self._write_pending()  # torch's reads the device tracker (after copying __dict__)
+        return super().__getstate__()
+
+    def _write_pending(self) -> None:
+        """Write the clean steps kept on the host into the device counters and tracker (two ops at most)."""
+        if self._unwritten_steps:
+            self._counts[5].add_(self._unwritten_steps)
+        if self._unwritten_tracker:
+            self._tracker_tensor().add_(self._unwritten_tracker)
+        self._unwritten_steps = self._unwritten_tracker = 0
+
+    @override
+    def _get_growth_tracker(self) -> int:
+        self._write_pending()  # nothing is pending before the device exists
+        return super()._get_growth_tracker()
 
     # ------------------------------------------------------------------ scaling
 
@@ -148,21 +179,30 @@ class DynamicGradScaler(torch.amp.GradScaler):
             self.to(outputs.device)
         self._require("scale")
         assert self._grad_scale is not None
-        self._grad_scale.copy_(self._scale_tensor())  # one tiny device copy, no sync
+        if self._grad_scale_copied != self._scale_version:
+            self._grad_scale.copy_(self._scale_tensor())  # one tiny device copy, no sync
+            self._grad_scale_copied = self._scale_version
+        self._grad_scale_used = self._scale_version
         return super().scale(outputs)
+
+    def _at_backward_scale(self) -> AbstractContextManager[None]:
+        """The scale the gradients were computed with, in place of the current one if an ``update()`` ran since."""
+        if self._grad_scale_used == self._scale_version:
+            return nullcontext()  # the usual case
+        return _workarounds.unscale_with_backward_scale(self, self._grad_scale)
 
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the scale they were computed with (torch divides by the current scale)."""
         self._require("unscale_")
-        with _workarounds.unscale_with_backward_scale(self, self._grad_scale):
+        with self._at_backward_scale():
             super().unscale_(optimizer)
 
     @override
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``GradScaler.step``, unscaling (or handing fused kernels) the scale the gradients were computed with."""
         self._require("step")
-        with _workarounds.unscale_with_backward_scale(self, self._grad_scale):
+        with self._at_backward_scale():
             return super().step(optimizer, *args, **kwargs)
 
     def _scale_tensor(self) -> Tensor:
@@ -195,7 +235,15 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._require("update")
         if new_scale is not None:
             super().update(new_scale)
+            self._scale_version += 1
             return
+        overflow_on_host = _compat.grad_scaler_host_found_inf(self)
+        if self._clean_step_on_host(overflow_on_host):
+            _compat.reset_grad_scaler_iteration(self)
+            return
+        self._write_pending()
+        self._scale_version += 1
+        self._follow_on_host(overflow_on_host)
         scale = self._scale_tensor()
         flags = [flag.to(scale.device) for flag in _compat.grad_scaler_found_infs(self)]
         if not flags:
@@ -213,6 +261,30 @@ class DynamicGradScaler(torch.amp.GradScaler):
         hit = backoff & (old <= self.min_scale)
         torch.where(hit & (c[6] < 0), c[5], c[6], out=c[6])
         c[1:6].add_(torch.stack((overflow, scale > old, scale < old, hit, self._true)))  # type: ignore[arg-type]
+
+    def _clean_step_on_host(self, overflow: bool | None) -> bool:
+        """A clean step that resets no streak and grows nothing: counted on the host (no tensor op)."""
+        tracker = self._host_tracker
+        if overflow is not False or self._host_streak != 0 or tracker is None:
+            return False
+        if self.dynamic:
+            if tracker + 1 >= self._growth_interval:
+                return False  # a growth is due: the device decides (it is clamped to max_scale there)
+            self._host_tracker, self._unwritten_tracker = tracker + 1, self._unwritten_tracker + 1
+        self._unwritten_steps += 1
+        return True
+
+    def _follow_on_host(self, overflow: bool | None) -> None:
+        """The tracker and streak after this update, as the device will compute them (``None`` once unknown)."""
+        tracker, streak = self._host_tracker, self._host_streak
+        if overflow is None or tracker is None or streak is None:
+            self._host_tracker = self._host_streak = None
+            return
+        if self.dynamic:
+            grows = not overflow and tracker + 1 >= self._growth_interval
+            self._host_tracker = 0 if overflow or grows else tracker + 1
+        backs_off = self.dynamic and streak + 1 >= self.hysteresis
+        self._host_streak = 0 if not overflow or self.hysteresis == 1 or backs_off else streak + 1
 
     def _hysteresis_policy(self, overflow: Tensor, scale: Tensor) -> Tensor:
         """Scale, tracker and streak after a step (``hysteresis > 1``, static scaling); returns whether it backs off."""
@@ -240,19 +312,25 @@ class DynamicGradScaler(torch.amp.GradScaler):
     def scaler_stats(self) -> ScalerStats:
         """Snapshot of scale and counters as 0-d device tensors (no host sync): what ``LossScaleMonitor`` reads."""
         self._require("scaler_stats")
+        self._write_pending()
         c = self._counts.clone()
         return ScalerStats(self._scale_tensor().detach().clone(), self._tracker_tensor().to(torch.int64), *c[:4])
 
     def read_min_scale_state(self) -> tuple[float, int, int]:
         """``(scale, min_scale_hits, step of the first hit or -1)`` as Python numbers: one host sync."""
         self._require("read_min_scale_state")
+        self._write_pending()
         # float64 holds the int64 counters exactly below 2**53.
         values = torch.cat((self._scale_tensor().double().view(1), self._counts[4:7:2].double())).tolist()
         return values[0], int(values[1]), int(values[2])
 
     def counter(self, name: str) -> Tensor:
-        """One live 0-d int64 counter on the device: one of ``overflow_streak`` ... ``steps`` (see ``state_dict``)."""
+        """One 0-d int64 counter on the device (``overflow_streak`` ... ``steps``, see ``state_dict``), as of now.
+
+        A view: it follows later overflows and growths; ``steps`` is written at reads (clean steps wait on the host).
+        """
         self._require("counter")
+        self._write_pending()
         return self._counts[_COUNTERS.index(name)]
 
     # ------------------------------------------------------------------ checkpointing
@@ -260,6 +338,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The entries of torch's scaler plus settings, streak and every counter, as Python numbers (syncs)."""
+        self._write_pending()
         state = {**super().state_dict(), **dict(zip(_COUNTERS, self._counts.tolist()))}
         state.update(
             hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale, dynamic=self.dynamic
@@ -279,10 +358,14 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._init_scale = scale if self.dynamic else self._static_scale  # a static scale is a setting, not state
         counts = [int(state_dict.get(name, initial)) for name, initial in zip(_COUNTERS, _INITIAL)]
         self._counts.copy_(torch.tensor(counts))  # a host copy until the device is known
+        self._unwritten_steps = self._unwritten_tracker = 0  # replaced by the loaded state
+        self._host_tracker, self._host_streak = int(state_dict["_growth_tracker"]), counts[0]
+        self._scale_version += 1
         if self._home is not None:
             assert self._grad_scale is not None
             self._scale_tensor().fill_(self._init_scale)
             self._grad_scale.fill_(self._init_scale)
+            self._grad_scale_copied = self._scale_version
 
 
 def _validate(init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int, hysteresis: int,

@@ -1,12 +1,15 @@
 """Counters of a strategy's gradient collectives (:class:`lit_accel.protocols.CommStats`), read at logging steps.
 
-:class:`HookCommStats` is filled by AccelDDP's counting comm hook, which counts and times every bucket it reduces
-(counting costs no device synchronisation; timing is resolved only in ``pop_elapsed_s``/``pop_exposed_s``). It holds
-the one counting rule: one round per synchronised backward, opened by its first bucket. AccelFSDP's ``FSDPCommStats``
-extends it. It satisfies :class:`lit_accel.protocols.ExposedComm` too: ``pop_exposed_s`` is the time from the end of a
-backward's compute to the completion of its last gradient collective, the part of the communication that overlap did
-not hide (with slower peers, the wait for them). The hook marks the end of the compute with a callback queued on the
-backward pass at its first bucket, which the autograd engine runs before DDP's ``finalize_backward``.
+:class:`HookCommStats` holds AccelDDP's one counting rule: one round per synchronised backward, in which DDP
+all-reduces every bucket once. A counting comm hook (a comm hook of the user's, or torch's all-reduce once a consumer
+asked for timing with :meth:`HookCommStats.request_timing`) counts and times every bucket it reduces (counting costs no
+device synchronisation; timing is resolved only in ``pop_elapsed_s``/``pop_exposed_s``); without a hook the strategy
+counts the rounds and the layout gives the buckets (``_bucket_rounds.BucketRounds``, folded in when the counters are
+read). AccelFSDP's ``FSDPCommStats`` extends it. It satisfies :class:`lit_accel.protocols.ExposedComm` too:
+``pop_exposed_s`` is the time from the end of a backward's compute to the completion of its last gradient collective,
+the part of the communication that overlap did not hide (with slower peers, the wait for them). The hook marks the end
+of the compute with a callback queued on the backward pass at its first bucket, which the autograd engine runs before
+DDP's ``finalize_backward``.
 """
 
 # No ``from __future__ import annotations``: keep the module importable on its own for DDP's hook annotations check.
@@ -48,8 +51,9 @@ class _Totals:
 class HookCommStats(_Totals):
     """Host-side counters of the gradient collectives issued through a counting comm hook (``counting_comm_hook``).
 
-    AccelDDP's, whatever its ``comm_hook``; satisfies :class:`lit_accel.protocols.CommStats`. The hook calls
-    :meth:`start`, :meth:`open_round` and :meth:`finish` for each bucket.
+    AccelDDP's, whatever its ``comm_hook``; satisfies :class:`lit_accel.protocols.CommStats` and ``CommTiming``. The
+    hook calls :meth:`start`, :meth:`open_round` and :meth:`finish` for each bucket; without a hook AccelDDP calls
+    :meth:`count_round` after each synchronised backward.
 
     Attributes:
         calls: all-reduce collectives issued so far (cumulative; a Python ``int``).
@@ -63,9 +67,12 @@ class HookCommStats(_Totals):
     """
 
     def __init__(self) -> None:
-        self.calls: int = 0
-        self.bytes: int = 0
+        self._calls = self._bytes = 0
         self.rounds: int = 0
+        #: Whether a consumer asked for ``pop_elapsed_s``/``pop_exposed_s`` this fit (:meth:`request_timing`).
+        self.timing_requested = False
+        #: The rounds of a model counted without a hook (``BucketRounds``), folded into the totals when read.
+        self.bucket_rounds: Any = None
         self._lock = threading.Lock()
         # Finished collectives as (start, end): floats from ``time.perf_counter`` on CPU, CUDA events on GPU. The
         # end is added by the future's callback, which may run on a backend thread: hence the lock.
@@ -76,6 +83,54 @@ class HookCommStats(_Totals):
         self._rounds: list[_Round] = []
         self._open_round: _Round | None = None
         self._folded_exposed_s = 0.0
+
+    @property
+    def calls(self) -> int:  # type: ignore[override]
+        """All-reduce collectives issued so far (cumulative; a Python ``int``)."""
+        self._fold()
+        return self._calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self._fold()
+        self._calls = value
+
+    @property
+    def bytes(self) -> int:  # type: ignore[override]
+        """Payload bytes those collectives put on the wire per rank (cumulative; a Python ``int``)."""
+        self._fold()
+        return self._bytes
+
+    @bytes.setter
+    def bytes(self, value: int) -> None:
+        self._fold()
+        self._bytes = value
+
+    def request_timing(self) -> None:
+        """Time the collectives (``pop_elapsed_s``, ``pop_exposed_s``): ask before the fit's first backward.
+
+        AccelDDP decides in its ``on_train_start`` (after the callbacks'): without a request its default all-reduce
+        runs with no Python hook, counted but not timed (the pops return 0.0). :class:`lit_accel.protocols.CommTiming`.
+        """
+        self.timing_requested = True
+
+    def count_round(self) -> None:
+        """A synchronised backward ended while no hook counts (``bucket_rounds``): its buckets, counted lazily."""
+        self.rounds += 1
+        self.bucket_rounds.count()
+
+    def release_rounds(self) -> None:
+        """Fold the rounds counted without a hook and stop counting that way (the fit ends, or a hook counts now)."""
+        rounds, self.bucket_rounds = self.bucket_rounds, None
+        if rounds is not None:
+            calls, nbytes = rounds.release()
+            self._calls, self._bytes = self._calls + calls, self._bytes + nbytes
+
+    def _fold(self) -> None:
+        rounds = self.bucket_rounds
+        if rounds is not None and (rounds.pending[0] or rounds.pending[1]):
+            calls, nbytes = rounds.fold()
+            self._calls, self._bytes = self._calls + calls, self._bytes + nbytes
 
     def pop_elapsed_s(self) -> float:
         """Seconds during which at least one gradient collective was in flight, since the previous call.
@@ -182,7 +237,7 @@ class HookCommStats(_Totals):
             self._cuda_intervals = [(s, e) for s, e in self._cuda_intervals if id(e) not in done]
 
     def _restore(self, calls: int, nbytes: int) -> None:
-        self.calls, self.bytes = calls, nbytes
+        self._calls, self._bytes = calls, nbytes
 
 
 class _Round:

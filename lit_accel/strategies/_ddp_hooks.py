@@ -119,7 +119,10 @@ def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: HookCommStats) ->
 
     A few Python integer operations and one ``Future.then`` per bucket, plus one callback queued on the backward pass
     per synchronised backward (it marks the end of the compute, for ``pop_exposed_s``); it never reads a device value.
+    torch's ``allreduce_hook`` is run inline (its mean all-reduce on the process group, one ``then`` for both).
     """
+    if kind == "allreduce":
+        return _counting_allreduce(stats)
 
     def accel_counting_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -146,4 +149,26 @@ def counting_comm_hook(hook: CommHook, kind: _HookKind, stats: HookCommStats) ->
         return fut.then(lambda f: stats.finish(start, f, round_))
 
     accel_counting_hook.__qualname__ = f"accel_counting_hook({getattr(hook, '__qualname__', repr(hook))})"
+    return accel_counting_hook
+
+
+def _counting_allreduce(stats: HookCommStats) -> CommHook:
+    """The mean all-reduce of torch's ``allreduce_hook`` (divide, then sum over the group), counted and timed.
+
+    Written out rather than wrapped: the process group's own ``allreduce`` and a single ``then``, which records the
+    end and unpacks the result, instead of ``dist.all_reduce``'s checks and a second Python callback per bucket.
+    """
+
+    def accel_counting_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = state if state is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        start = stats.start(buffer.device)
+        round_ = stats.open_round(buffer.device)  # the first bucket of a backward marks the end of its compute
+        buffer.div_(group.size())  # type: ignore[union-attr]
+        fut = group.allreduce([buffer]).get_future()  # type: ignore[union-attr]
+        stats.calls += 1
+        stats.bytes += buffer.numel() * buffer.element_size()
+        return fut.then(lambda f: stats.finish(start, f, round_)[0])
+
+    accel_counting_hook.__qualname__ = "accel_counting_hook(allreduce_hook)"
     return accel_counting_hook

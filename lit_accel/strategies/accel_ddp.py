@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies._backend import backend_for_device, check_backend_spec
+from lit_accel.strategies._bucket_rounds import BucketRounds
 from lit_accel.strategies._comm_stats import HookCommStats
 from lit_accel.strategies._ddp_hooks import CommHook, CommHookName, counting_comm_hook, resolve_comm_hook, validate_comm
 from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
@@ -73,8 +74,8 @@ class AccelDDP(DDPStrategy):
         hang_timeout: seconds without progress before the :class:`~lit_accel.HangWatchdog` it adds ends the job;
             ``None``: the watchdog only reports a stall (after 300 s, once per stall) and never ends the job.
         compile: ``True`` or ``torch.compile``'s arguments: each block compiled before DDP wraps the model.
-        comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, a callable ``hook(state, bucket)``, or ``None`` (torch's
-            all-reduce hook); whichever it is, a counting wrapper counts and times every bucket.
+        comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, a callable ``hook(state, bucket)``, or ``None`` (DDP's
+            all-reduce; torch's hook once a consumer asks for timing). A hook is wrapped to count and time buckets.
         comm_state: the hook's state (a ``PowerSGDState``, ``PostLocalSGDState``, ...; default: DDP's group).
         comm_wrapper: a hook wrapper such as ``default_hooks.fp16_compress_wrapper``.
         gradient_as_bucket_view: let gradients alias DDP's buckets (one gradient-sized copy less; torch's default: no).
@@ -156,7 +157,7 @@ class AccelDDP(DDPStrategy):
 
     @property
     def comm_stats(self) -> CommStats:
-        """All-reduce counters for the ``EfficiencyMonitor``: every bucket, counted and timed by the comm hook."""
+        """All-reduce counters for the ``EfficiencyMonitor``: every bucket counted, timed on request."""
         return self._comm_stats
 
     @override
@@ -178,6 +179,17 @@ class AccelDDP(DDPStrategy):
         self.parts.compile_blocks(type(self).__name__, self.model)  # before DDP wraps it: hooks outside the graphs
         super().configure_ddp()  # wraps the model; registers no hook, since DDPStrategy's ddp_comm_hook is None
         assert isinstance(self.model, DistributedDataParallel)
+        stats = self._comm_stats
+        stats.release_rounds()  # a model of an earlier fit
+        if self._comm_hook is None and self._comm_wrapper is None:
+            stats.bucket_rounds = BucketRounds(self.model)  # DDP's C++ all-reduce; on_train_start may add the hook
+        else:
+            self._register_counting_hook()
+
+    def _register_counting_hook(self) -> None:
+        """The comm hook (torch's all-reduce for ``comm_hook=None``), wrapped to count and time every bucket."""
+        assert isinstance(self.model, DistributedDataParallel)
+        self._comm_stats.release_rounds()
         hook, state, kind = resolve_comm_hook(
             self._comm_hook, self._comm_state, self._comm_wrapper, self.model.process_group
         )
@@ -185,12 +197,25 @@ class AccelDDP(DDPStrategy):
         self.model.register_comm_hook(state, counting_comm_hook(hook, kind, self._comm_stats))
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # After the callbacks' on_train_start, before the first training backward: a consumer that asked for timing
+        # (the EfficiencyMonitor) gets the timing hook; otherwise no Python runs per bucket.
+        if self._comm_stats.bucket_rounds is not None and self._comm_stats.timing_requested:
+            self._register_counting_hook()
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         return self.parts.training_step(self, super().training_step, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        return self.parts.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
+        output = self.parts.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
+        # Without a hook, a round is a backward the reducer was prepared for (by DDP's forward, or Lightning's
+        # prepare_for_backward in manual optimization): the one flag DDP sets exactly then.
+        if self._comm_stats.bucket_rounds is not None and getattr(self.model, "require_forward_param_sync", False):
+            self._comm_stats.count_round()
+        return output
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -222,6 +247,8 @@ class AccelDDP(DDPStrategy):
     @override
     def teardown(self) -> None:
         self.parts.teardown()
+        self._comm_stats.release_rounds()  # counted; the model is not kept
+        self._comm_stats.timing_requested = False  # a consumer of the next fit asks again
         trainer = self.parts.trainer
         accumulating = trainer is not None and trainer.accumulate_grad_batches > 1
         if accumulating and isinstance(self.model, DistributedDataParallel):

@@ -116,6 +116,13 @@ def grad_scaler_step_skipped(scaler: torch.amp.GradScaler, optimizer: torch.opti
     return state.get(HOST_FOUND_INF, summed)
 
 
+def grad_scaler_host_found_inf(scaler: torch.amp.GradScaler) -> bool | None:
+    """Whether a step since the last ``update()`` overflowed, where the host knows each optimizer's skip (else None)."""
+    flagged = [state for state in scaler._per_optimizer_states.values() if state.get("found_inf_per_device")]
+    known = [state.get(HOST_FOUND_INF) for state in flagged]
+    return None if not known or None in known else any(known)
+
+
 def reset_grad_scaler_tensors(scaler: torch.amp.GradScaler, device_type: str) -> None:
     """Drop the scale and tracker tensors (:func:`init_grad_scaler_tensors` recreates them) and set the device type."""
     scaler._scale = None
@@ -302,6 +309,22 @@ def ddp_logging_data(ddp: object) -> dict[str, int | str]:
     forward; copying the maps costs tens of microseconds, so call this at logging steps only.
     """
     return ddp._get_ddp_logging_data()  # type: ignore[attr-defined]
+
+
+def ddp_bucket_sizes(ddp: Any, rebuilt: bool) -> tuple[int, ...] | None:
+    """Bytes of each of DDP's gradient buckets: the layout built at construction, or the one it rebuilt.
+
+    From :func:`ddp_logging_data` (``bucket_sizes``, ``rebuilt_bucket_sizes``). Before DDP has published the rebuilt
+    layout (at the synchronised forward after the rebuild), the current one is read from the reducer: call it with
+    ``rebuilt=True`` only once DDP has rebuilt (``Reducer._get_zeros_like_grad_buckets`` allocates zeroed buckets).
+    """
+    text = ddp_logging_data(ddp).get("rebuilt_bucket_sizes" if rebuilt else "bucket_sizes")
+    if text:
+        return tuple(int(part) for part in str(text).split(","))
+    if not rebuilt:
+        return None
+    buffers = [bucket.buffer() for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+    return tuple(b.numel() * b.element_size() for b in buffers)
 
 
 # --- HangWatchdog's side channel (tests: tests/utilities/test_compat_watchdog.py) ---

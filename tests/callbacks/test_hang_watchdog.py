@@ -569,6 +569,7 @@ def _tiny_fit(callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> Any:
     from tests.helpers import BNModel
 
     data = TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
+    ckpt_path = kwargs.pop("ckpt_path", None)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -579,7 +580,7 @@ def _tiny_fit(callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> Any:
         enable_model_summary=False,
         **kwargs,
     )
-    trainer.fit(BNModel(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    trainer.fit(BNModel(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -610,6 +611,17 @@ def test_lightning_hooks_map_to_phases_with_their_allowances(tmp_path):
         7000.0,
     ) in seen
     assert watchdog.watchdog._thread is None and watchdog.report is None
+
+
+def test_a_resumed_fit_marks_its_first_step_with_the_restored_global_step(tmp_path):
+    trainer = _tiny_fit([HangWatchdog(7.0)], tmp_path, max_steps=2, limit_val_batches=0)
+    checkpoint = tmp_path / "two_steps.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    watchdog = HangWatchdog(7.0, first_step_timeout=70.0)
+    recorder = _Recorder(watchdog)
+    _tiny_fit([watchdog, recorder], tmp_path, max_steps=3, limit_val_batches=0, ckpt_path=checkpoint)
+    steps = [(hook, step) for hook, _, step, _, _ in recorder.seen if hook.startswith("on_train_batch")]
+    assert steps == [("on_train_batch_start", 2), ("on_train_batch_end", 3)]
 
 
 def test_slow_first_step_validation_and_checkpoint_within_their_allowances_raise_no_alarm(tmp_path):

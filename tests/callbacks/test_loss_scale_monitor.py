@@ -282,7 +282,7 @@ class _SyncCheckedMonitor(LossScaleMonitor):
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        start, step, interval = self._batch_start_step, trainer.global_step, self._interval(trainer)
+        start, step, interval = self._last_step, trainer.global_step, self._interval(trainer)
         if step // interval > start // interval:
             real_read = self.meter._read
             self.meter._read = lambda: (self.reads_in_steps.append(step), real_read())[1]

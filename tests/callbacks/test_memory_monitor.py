@@ -124,7 +124,7 @@ class _SyncChecked(MemoryMonitor):
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._logging_step(trainer) and trainer.global_step > self._batch_step:
+        if self._logging_step(trainer) and trainer.global_step > self._last_step:
             self.computed_at.append(trainer.global_step)
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         else:

@@ -240,3 +240,50 @@ def test_a_meter_attaches_before_the_scaler_has_a_device():
     assert meter.attach(FabricMixedPrecision("16-mixed", "cpu", scaler=scaler))
     scaler.to("cpu")
     assert meter.compute(0)["loss_scale"] == 8.0
+
+
+@pytest.mark.parametrize(("hysteresis", "dynamic"), [(1, True), (2, True), (3, True), (1, False)])
+def test_clean_steps_kept_on_the_host_read_late_equal_the_rules(hysteresis, dynamic):
+    """Read only now and then (clean steps are written to the device at reads): every count as the rules say."""
+    rng = random.Random(hysteresis)
+    pattern = [rng.random() < 0.15 for _ in range(60)] + [True] * 4 + [False] * 9
+    scaler = DynamicGradScaler("cpu", init_scale=8.0, growth_interval=4, hysteresis=hysteresis, min_scale=0.5,
+                               max_scale=64.0, dynamic=dynamic)  # fmt: skip
+    expected = _reference_policy(pattern, 8.0, 2.0, 0.5, 4, hysteresis=hysteresis, min_scale=0.5, max_scale=64.0)
+    param, opt = _param_and_opt()
+    for i, (overflow, row) in enumerate(zip(pattern, expected)):
+        _step(scaler, param, opt, overflow)
+        if i % 17 == 16 or i == len(pattern) - 1:
+            state = scaler.state_dict()
+            got = [state[k] for k in ("scale", "_growth_tracker", "overflow_streak", "skipped_steps", "growths",
+                                      "backoffs", "min_scale_hits")]  # fmt: skip
+            if dynamic:
+                assert tuple(got) == row, i
+            else:  # a static scale: skips counted, nothing else moves
+                assert got == [8.0, 0, got[2], sum(pattern[: i + 1]), 0, 0, 0], i
+            assert state["steps"] == i + 1
+    assert sum(pattern) > 8 and (not dynamic or expected[-1][4] > 0)  # overflows, and growths where dynamic
+
+
+def test_a_clean_step_runs_no_tensor_op_in_update_and_copies_no_scale():
+    """The common step: the host knows it was clean (plain optimizer) and no growth is due; torch's update runs one."""
+    from tests.helpers.dispatch import OpRecorder
+
+    ours, theirs = DynamicGradScaler("cpu", init_scale=4.0), torch.amp.GradScaler("cpu", init_scale=4.0)
+    recorded = {}
+    for name, scaler in (("ours", ours), ("theirs", theirs)):
+        param, opt = _param_and_opt()
+        _step(scaler, param, opt, overflow=True)  # an update that moved the scale: the next backward copies it
+        for _ in range(2):
+            opt.zero_grad()
+            loss = (param**2).sum()
+            with OpRecorder() as scale_ops:
+                scaled = scaler.scale(loss)
+            scaled.backward()
+            scaler.step(opt)
+            with OpRecorder() as update_ops:
+                scaler.update()
+            recorded[name] = (scale_ops.ops, update_ops.ops)
+    assert recorded["ours"][1] == [] and len(recorded["theirs"][1]) >= 1  # torch: its update kernel
+    assert recorded["ours"][0] == recorded["theirs"][0]  # the scale multiplication only: no copy of the scale
+    assert ours.get_scale() == theirs.get_scale() == 2.0 and ours._get_growth_tracker() == 2

@@ -299,14 +299,19 @@ class _CountingAllReduce:
 
 
 class _StepRecorder(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, timed: bool = False) -> None:
+        self.timed = timed
         self.states: list[dict[str, torch.Tensor]] = []
         self.calls: list[int] = []
         self.bytes: list[int] = []
         self.ddp: dict[str, Any] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        ddp = trainer.strategy.model
+        if self.timed:  # as the EfficiencyMonitor does: before the strategy's on_train_start decides
+            trainer.strategy.comm_stats.request_timing()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = trainer.strategy.model  # after the strategy's on_train_start, which may register the default's hook
         self.ddp = {
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
             "static_graph": ddp.static_graph,
@@ -322,7 +327,8 @@ class _StepRecorder(pl.Callback):
 
 
 _HOOKS: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": {},  # no hook: DDP's own all-reduce, counted without one
+    "timed": {},  # the default, with a consumer that asks for timing: torch's all-reduce hook, wrapped
     "fp16": {"comm_hook": "fp16"},
     "bf16": {"comm_hook": "bf16"},
     "powersgd": {"comm_hook": "powersgd"},  # a PowerSGDState(start_powerSGD_iter=2) is made in each run
@@ -341,7 +347,7 @@ def _hook_runs(rank: int, world_size: int) -> dict[str, Any]:
             hook_kwargs = {**hook_kwargs, "comm_state": powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2)}
         pl.seed_everything(0, verbose=False)
         model = BNModel(batchnorm=False)
-        recorder = _StepRecorder()
+        recorder = _StepRecorder(timed=name == "timed")
         strategy = AccelDDP(sync_batchnorm=False, **hook_kwargs)
         kwargs = small_trainer_kwargs(devices=world_size, max_steps=_STEPS, use_distributed_sampler=False)
         trainer = pl.Trainer(strategy=strategy, callbacks=[recorder], **kwargs)
@@ -389,7 +395,7 @@ def test_comm_hook_trains_on_gloo_and_ranks_stay_identical(hook_runs, hook):
     assert all(torch.isfinite(v).all() for v in final.values())
     assert all(not torch.equal(final[k], initial[k]) for k in initial)
     default = hook_runs[0]["default"]["states"]
-    if hook in ("default", "callable"):
+    if hook in ("default", "timed", "callable"):
         _assert_states_close(final, default[-1], atol=0)
     elif hook in ("fp16", "bf16"):
         # Compressed to 16 bits on the wire: close to the fp32 all-reduce, but not equal (the hook really ran).
@@ -406,11 +412,13 @@ def test_comm_stats_count_collectives_and_bytes_per_hook(hook_runs):
     numel = sum(p.numel() for p in model.parameters())
     for ranks in hook_runs:
         # The user's own hook counts one call per bucket: the unit for every one-collective hook. "default" has no
-        # hook (its numbers come from DDP's logging), so it must match what the user's hook saw really happen.
+        # hook (its rounds are counted by the strategy, its buckets read from DDP's layout), so it must match what
+        # the user's hook saw really happen.
         buckets = ranks["callable"]["user_calls"] // _STEPS
         assert buckets >= 1 and ranks["callable"]["user_calls"] == _STEPS * buckets
         expected = {
             "default": ([buckets] * _STEPS, [4 * numel] * _STEPS),
+            "timed": ([buckets] * _STEPS, [4 * numel] * _STEPS),
             "callable": ([buckets] * _STEPS, [4 * numel] * _STEPS),
             "fp16": ([buckets] * _STEPS, [2 * numel] * _STEPS),
             "bf16": ([buckets] * _STEPS, [2 * numel] * _STEPS),
@@ -423,7 +431,10 @@ def test_comm_stats_count_collectives_and_bytes_per_hook(hook_runs):
             assert _per_step(ranks[hook]["calls"]) == calls, hook
             assert _per_step(ranks[hook]["bytes"]) == nbytes, hook
             elapsed, elapsed_again = ranks[hook]["elapsed"]
-            assert elapsed > 0.0 and elapsed_again == 0.0
+            if hook == "default":  # nobody asked for timing: nothing timed, nothing run per bucket
+                assert (elapsed, elapsed_again) == (0.0, 0.0)
+            else:
+                assert elapsed > 0.0 and elapsed_again == 0.0
 
 
 def test_backend_is_chosen_from_the_accelerator(hook_runs):
@@ -436,13 +447,14 @@ def test_ddp_defaults_reach_the_wrapped_module(hook_runs):
         "static_graph": False,
         "find_unused_parameters": False,
         "bucket_bytes_cap": 25 * 1024 * 1024,  # torch's default bucket_cap_mb
-        "comm_hook": "accel_counting_hook(allreduce_hook)",  # torch's all-reduce hook, counted and timed
+        "comm_hook": None,  # no Python hook: DDP's own C++ all-reduce, counted without one
     }
 
 
-def test_every_comm_hook_is_wrapped_torchs_all_reduce_by_default(hook_runs):
+def test_every_comm_hook_is_wrapped_and_torchs_all_reduce_once_timing_is_asked_for(hook_runs):
     for ranks in hook_runs:
-        assert ranks["default"]["ddp"]["comm_hook"] == "accel_counting_hook(allreduce_hook)"
+        assert ranks["default"]["ddp"]["comm_hook"] is None
+        assert ranks["timed"]["ddp"]["comm_hook"] == "accel_counting_hook(allreduce_hook)"
         assert ranks["fp16"]["ddp"]["comm_hook"] == "accel_counting_hook(fp16_compress_hook)"
         assert ranks["powersgd"]["ddp"]["comm_hook"] == "accel_counting_hook(powerSGD_hook)"
         assert ranks["callable"]["ddp"]["comm_hook"].startswith("accel_counting_hook(")
@@ -479,15 +491,19 @@ class _ManualThreeBackward(BNModel):
 
 
 class _CounterRecorder(pl.Callback):
-    """``comm_stats`` after every batch; for the default also its rounds and the pops."""
+    """``comm_stats`` after every batch; for the default also its rounds and the pops (``timed``: asked for first)."""
 
-    def __init__(self, pop: bool) -> None:
-        self.pop = pop
+    def __init__(self, pop: bool, timed: bool) -> None:
+        self.pop, self.timed = pop, timed
         self.calls: list[int] = []
         self.bytes: list[int] = []
         self.pops: list[float] = []
         self.rounds: list[int] = []
         self.step_s: list[float] = []
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.timed:
+            trainer.strategy.comm_stats.request_timing()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._start = time.perf_counter()
@@ -502,11 +518,11 @@ class _CounterRecorder(pl.Callback):
             self.pops.append(stats.pop_elapsed_s())
 
 
-def _counter_run(rank: int, world_size: int, manual: bool, counted: bool) -> dict[str, Any]:
+def _counter_run(rank: int, world_size: int, manual: bool, mode: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    hook = _CountingAllReduce() if counted else None
+    hook = _CountingAllReduce() if mode == "counted" else None
     strategy = AccelDDP(sync_batchnorm=False, bucket_cap_mb=_TINY_BUCKET_MB, comm_hook=hook)
-    recorder = _CounterRecorder(pop=not counted)
+    recorder = _CounterRecorder(pop=mode != "counted", timed=mode == "timed")
     model = _ManualThreeBackward() if manual else BNModel(batchnorm=False)
     kwargs = small_trainer_kwargs(
         devices=world_size, max_steps=-1, max_epochs=1, use_distributed_sampler=False, callbacks=[recorder]
@@ -528,12 +544,11 @@ def _counter_run(rank: int, world_size: int, manual: bool, counted: bool) -> dic
 
 
 def _counter_runs(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    # default: no hook (nobody asks for timing); timed: the default once a consumer asked; counted: a user's hook
     return {
-        f"{'manual' if manual else 'automatic'}-{'counted' if counted else 'default'}": _counter_run(
-            rank, world_size, manual, counted
-        )
+        f"{'manual' if manual else 'automatic'}-{mode}": _counter_run(rank, world_size, manual, mode)
         for manual in (False, True)
-        for counted in (False, True)
+        for mode in ("default", "timed", "counted")
     }
 
 
@@ -548,26 +563,32 @@ def test_default_counters_equal_the_counted_all_reduces_with_one_round_per_synch
         # Automatic: one round per step; manual: the two manual_backward calls outside no_sync(). DDP rebuilds its
         # buckets before the second round, so the bucket count per round changes.
         for optimization, rounds_per_step in (("automatic", 1), ("manual", 2)):
-            default, counted = ranks[f"{optimization}-default"], ranks[f"{optimization}-counted"]
+            counted = ranks[f"{optimization}-counted"]
             assert len(counted["calls"]) == 6  # two fits of 3 steps
             # A user's counting hook saw every bucket DDP reduced; the wrapper's counters agree with it ...
             assert counted["hook_calls"] == counted["calls"][-1]
             per_step_calls = _per_step(counted["calls"])
             assert len(set(per_step_calls)) > 1  # (the layout really changes)
-            # ... and the default (torch's all-reduce, wrapped) counts the same collectives at every read
-            assert default["calls"] == counted["calls"] and default["final"] == counted["final"], optimization
-            # Bytes: every fp32 gradient once per round; rounds: the synchronised backward passes, nothing else.
-            assert _per_step(default["bytes"]) == [rounds_per_step * 4 * numel] * 6
-            assert default["rounds"] == [rounds_per_step * (step + 1) for step in range(6)], optimization
+            # ... and the default counts the same collectives at every read: without a hook (DDP's all-reduce, the
+            # rounds counted by the strategy, the buckets from DDP's layout) and timed (torch's all-reduce, wrapped)
+            for mode in ("default", "timed"):
+                default = ranks[f"{optimization}-{mode}"]
+                assert default["calls"] == counted["calls"], (optimization, mode)
+                assert default["final"] == counted["final"], (optimization, mode)
+                # Bytes: every fp32 gradient once per round; rounds: the synchronised backward passes, nothing else.
+                assert _per_step(default["bytes"]) == [rounds_per_step * 4 * numel] * 6
+                assert default["rounds"] == [rounds_per_step * (step + 1) for step in range(6)], (optimization, mode)
 
 
-def test_default_elapsed_time_is_measured_inside_each_step(counter_runs):
+def test_default_elapsed_time_is_measured_inside_each_step_once_asked_for(counter_runs):
     for ranks in counter_runs:
         for optimization in ("automatic", "manual"):
-            run = ranks[f"{optimization}-default"]
+            run = ranks[f"{optimization}-timed"]
+            assert len(run["pops"]) == 6
             for step, pop in enumerate(run["pops"]):
                 # the all-reduces of this step, timed by the hook: some time, never more than the step took
                 assert 0.0 < pop <= run["step_s"][step], (optimization, step)
+            assert ranks[f"{optimization}-default"]["pops"] == [0.0] * 6  # nobody asked: no hook, nothing timed
 
 
 # ----------------------------------------------------------------------------------------------------------------

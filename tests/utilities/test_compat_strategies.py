@@ -49,3 +49,29 @@ def test_ddp_logging_data_names_the_registered_comm_hook():
     """The tests prove AccelDDP registered its hook through DDP's own record of it."""
     for name, plain_has_one in run_distributed(_ddp_logging_hook_name, 2, timeout=60):
         assert name == "allreduce_hook" and not plain_has_one
+
+
+def _bucket_sizes(rank: int, world_size: int) -> dict[str, object]:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lit_accel.utilities._compat import ddp_bucket_sizes
+
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), bucket_cap_mb=1e-4)
+    out: dict[str, object] = {"built": ddp_bucket_sizes(ddp, rebuilt=False)}
+    for step in range(3):
+        ddp(torch.randn(4, 8)).sum().backward()  # DDP rebuilds its buckets in the second forward
+        if step == 1:  # rebuilt, not yet published in DDP's logging data: read from the reducer
+            out["from_reducer"] = ddp_bucket_sizes(ddp, rebuilt=True)
+    out["published"] = ddp_bucket_sizes(ddp, rebuilt=True)  # published at the third forward
+    return out
+
+
+def test_ddp_bucket_sizes_of_the_built_and_the_rebuilt_layout():
+    """AccelDDP's counting without a hook reads DDP's layouts (bytes per bucket) through these two routes."""
+    for sizes in run_distributed(_bucket_sizes, 2, timeout=60):
+        grads = 4 * (8 * 8 + 8 + 8 * 4 + 4)
+        assert sizes["built"] == (grads,)  # the first bucket holds up to 1 MiB
+        assert sizes["from_reducer"] == sizes["published"] and len(sizes["published"]) > 1
+        assert sum(sizes["published"]) == grads

@@ -1,0 +1,75 @@
+"""``BucketRounds``: AccelDDP's all-reduces counted without a comm hook, while nobody times them.
+
+A Python comm hook costs the host tens of microseconds per bucket (``benchmarks/host_cost.py``). So AccelDDP lets
+DDP's own C++ all-reduce run unless a consumer asks for timing (``HookCommStats.request_timing``), and counts by the
+hook's rule: one round per synchronised backward, in which DDP all-reduces every bucket of its layout once.
+
+* A round is a backward for which the reducer was prepared: DDP's forward (or Lightning's ``prepare_for_backward`` in
+  manual optimization) sets ``require_forward_param_sync`` exactly then. AccelDDP counts it after the backward.
+* The layout is the one DDP built at construction until its one rebuild (in gradient-ready order), which happens
+  before the round after the first round that recorded that order: round 2; round 3 with ``static_graph`` (its
+  first iteration records nothing); never with ``find_unused_parameters`` (without ``static_graph``).
+* Sizes come from DDP's logging data, read when the counters are read (logging steps): the construction layout at
+  once, the rebuilt one from the synchronised forward after the rebuild on. A read before that (only a reader at the
+  rebuild's own step) takes it from the reducer's buckets, which allocates a zeroed copy of the gradients, once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lit_accel.utilities._compat import ddp_bucket_sizes
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["BucketRounds"]
+
+
+class BucketRounds:
+    """The synchronised backward passes of one DDP model and the bucket layout each reduced, resolved lazily.
+
+    Args:
+        ddp: the wrapped model, before its first backward.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self._ddp: DistributedDataParallel | None = ddp
+        initial = ddp_bucket_sizes(ddp, rebuilt=False)
+        assert initial is not None  # set at construction
+        self._sizes: list[tuple[int, ...] | None] = [initial, None]
+        rebuilds = ddp.static_graph or not ddp.find_unused_parameters
+        self._rebuild_round = (3 if ddp.static_graph else 2) if rebuilds else None
+        self._rounds = 0
+        #: Rounds not folded into totals yet, with the construction layout and with the rebuilt one.
+        self.pending = [0, 0]
+
+    def count(self) -> None:
+        """One synchronised backward finished (its buckets all-reduced)."""
+        self._rounds += 1
+        rebuilt = self._rebuild_round is not None and self._rounds >= self._rebuild_round
+        self.pending[rebuilt] += 1
+
+    def fold(self) -> tuple[int, int]:
+        """``(calls, bytes)`` of the pending rounds, which are forgotten."""
+        calls = nbytes = 0
+        for layout, rounds in enumerate(self.pending):
+            if rounds:
+                sizes = self._layout(layout)
+                calls, nbytes = calls + rounds * len(sizes), nbytes + rounds * sum(sizes)
+        self.pending = [0, 0]
+        return calls, nbytes
+
+    def release(self) -> tuple[int, int]:
+        """Fold the pending rounds and drop the model (the fit ends, or a comm hook counts from now on)."""
+        folded = self.fold()
+        self._ddp = None
+        return folded
+
+    def _layout(self, layout: int) -> tuple[int, ...]:
+        sizes = self._sizes[layout]
+        if sizes is None:
+            assert self._ddp is not None  # rounds with the rebuilt layout are folded before the model is dropped
+            sizes = self._sizes[layout] = ddp_bucket_sizes(self._ddp, rebuilt=True)
+        assert sizes is not None
+        return sizes
