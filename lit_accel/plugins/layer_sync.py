@@ -1,12 +1,7 @@
 """``AccelSyncBatchNorm``: Lightning's layer-sync plugin, made portable, group-aware and exactly reversible.
 
-Lightning's ``Trainer(sync_batchnorm=True)`` converts to ``torch.nn.SyncBatchNorm`` (CUDA only: on CPU/gloo the DDP
-constructor raises "SyncBatchNorm layers only work with GPU modules"), always syncs the whole world, and its
-``revert`` rebuilds ``_BatchNormXd`` modules instead of the user's classes. This plugin converts every ``_BatchNorm``
-to a synchronised layer sharing its ``Parameter`` objects and buffers (optimizer state and checkpoints keep working),
-syncs within consecutive groups of ``group_size`` ranks as Apex's ``convert_syncbn_model(process_group=...)`` did, and
-reverts to the original module objects (classes, attributes, hooks) with the trained parameters and current buffers
-(``model.to(device)`` replaces buffer tensors after ``apply``) under unchanged ``state_dict`` keys.
+Lightning's ``TorchSyncBatchNorm`` is CUDA only, syncs the whole world and reverts to ``_BatchNormXd`` rather than the
+user's classes; what this one does instead: ``docs/strategies.md``, SyncBatchNorm.
 """
 
 from __future__ import annotations
@@ -32,18 +27,13 @@ _Implementation = Literal["auto", "portable", "torch"]
 _ORIGINAL = "_lit_accel_original"
 # The device a process-group backend carries tensors on; gloo, mpi and ucc carry CPU tensors.
 _BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
-#: What ``"auto"`` picks on CUDA with NCCL: lit_accel's layer (no host sync; torch's forward syncs once per layer on
-#: a boolean mask, and both use the fused CUDA backward kernels) until a measurement says otherwise:
-#: ``benchmarks/gpu_check.py --checks syncbn`` times both and its "auto" row says which one to put here.
+#: What ``"auto"`` picks on CUDA with NCCL: lit_accel's layer (no host sync; torch's forward has one per layer) until
+#: ``benchmarks/gpu_check.py --checks syncbn``, which times both, says torch's is faster.
 AUTO_ON_CUDA_NCCL: Literal["portable", "torch"] = "portable"
 
 
 def count_batchnorm_layers(model: Module) -> int:
-    """Number of BatchNorm layers (``torch.nn.modules.batchnorm._BatchNorm``, synchronised ones included) in ``model``.
-
-    A module shared at several places counts once. ``AccelDDP`` uses it to tell the user that ``sync_batchnorm=True``
-    has nothing to do on a model without BatchNorm (a ViT, say).
-    """
+    """Number of BatchNorm layers in ``model``, synchronised ones included; a layer shared at two places counts once."""
     return sum(isinstance(m, _BatchNorm) for m in model.modules())
 
 
@@ -110,11 +100,7 @@ class AccelSyncBatchNorm(LayerSync):
 
     @override
     def revert(self, model: Module) -> Module:
-        """Put back the modules :meth:`apply` replaced in ``model`` (possibly moved to another device since).
-
-        They come back as the user's objects (classes, attributes) pointing at the synchronised layers' parameters and
-        buffers, so the trained values, the current running statistics and the ``state_dict`` keys carry over.
-        """
+        """Put back the user's modules :meth:`apply` replaced, with the current parameters and running statistics."""
         return swap_modules(model, _original_with_current_tensors)
 
     def _create_group(self) -> Any | None:
@@ -163,12 +149,9 @@ class AccelSyncBatchNorm(LayerSync):
         sync.process_group = self.process_group
         # Share every parameter and buffer *object* (user subclasses may add some), so optimizer state and the
         # state_dict keys are those of the original layer.
-        sync._parameters.clear()
-        sync._parameters.update(bn._parameters)
-        sync._buffers.clear()
-        sync._buffers.update(bn._buffers)
-        sync._non_persistent_buffers_set.clear()
-        sync._non_persistent_buffers_set.update(bn._non_persistent_buffers_set)
+        for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+            getattr(sync, registry).clear()
+            getattr(sync, registry).update(getattr(bn, registry))
         sync.training = bn.training
         if hasattr(bn, "qconfig"):  # as torch.nn.SyncBatchNorm.convert_sync_batchnorm does
             sync.qconfig = bn.qconfig
