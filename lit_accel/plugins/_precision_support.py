@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
-    "TORCH_SCALER_KEYS",
     "check_optimizers",
     "check_scaler",
     "float8_conversion",
@@ -31,9 +30,6 @@ __all__ = [
     "trainer_of",
     "unwrap",
 ]
-
-#: The entries of a ``torch.amp.GradScaler`` state dict, which Lightning's ``MixedPrecision`` saves.
-TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 # Every spelling Lightning's Trainer accepts for the precisions AccelPrecision implements, to the canonical one.
 _SPELLINGS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",

@@ -176,11 +176,7 @@ class AccelPrecision(MixedPrecision):
     @override
     @contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
-        """As ``forward_context``; ``"fp8-mixed"`` evaluates under ``no_grad`` instead of inference mode.
-
-        Under inference mode, CPU autocast sends torchao's float8 tensors an ``aten.to.dtype``, which they do not
-        implement; ``no_grad`` records no graph and saves no tensors either.
-        """
+        """As ``forward_context``; ``"fp8-mixed"`` runs under ``no_grad``, not inference mode (docs/precision.md)."""
         leave = self._float8 is not None and torch.is_inference_mode_enabled()
         inference_off, no_grad = (
             (torch.inference_mode(False), torch.no_grad()) if leave else (nullcontext(), nullcontext())
@@ -263,10 +259,7 @@ class AccelPrecision(MixedPrecision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """fp16: the scaler's state under torch's keys (as ``MixedPrecision``), its counters, the min-scale history.
-
-        Reading it syncs (checkpoint time only). Empty without a scaler, as ``MixedPrecision``'s.
-        """
+        """fp16: the scaler's state (torch's keys, as ``MixedPrecision``), its counters, the min-scale record. Syncs."""
         if self.scaler is None:
             return {}
         return {**self.scaler.state_dict(), "outcomes": self.min_scale_stop.state_dict(), "precision": self.precision}
@@ -287,9 +280,8 @@ class AccelPrecision(MixedPrecision):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Also write the scale under ``MixedPrecision``'s key, so a run resumed with Lightning's plugin keeps it."""
-        if self.scaler is not None:
-            state = self.scaler.state_dict()
-            checkpoint.setdefault("MixedPrecision", {key: state[key] for key in support.TORCH_SCALER_KEYS})
+        if self.scaler is not None:  # torch's own entries only, as MixedPrecision saves them
+            checkpoint.setdefault("MixedPrecision", torch.amp.GradScaler.state_dict(self.scaler))
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
