@@ -176,17 +176,12 @@ class Float8Conversion:
         """Convert the eligible Linear layers of ``model`` in place and log the report.
 
         Args:
-            model: the unwrapped model (not yet in DDP, not sharded). A Linear root is replaced, not converted in place.
+            model: the unwrapped model (not yet in DDP, not sharded). A Linear root is replaced (returned).
             device: the device the model will train on (Lightning calls this before moving the model there).
 
-        Returns:
-            The converted model.
-
         Raises:
-            ValueError: a ``module_filter`` name matches no module, or no Linear layer is eligible (the message says
-                why for each).
-            RuntimeError: the model is already wrapped or sharded, or the device cannot run FP8 (see
-                :func:`resolve_emulation`).
+            ValueError: a ``module_filter`` name matches no module, or no Linear layer is eligible (saying why).
+            RuntimeError: the model is already wrapped or sharded, or the device cannot run FP8.
         """
         from torchao.float8 import convert_to_float8_training
 

@@ -365,8 +365,7 @@ def _validate(init_scale: float, growth_factor: float, backoff_factor: float, gr
     check_bool(owner, "dynamic", dynamic)
     if growth_factor <= 1:
         raise ValueError(
-            f"{owner}(growth_factor={growth_factor!r}): must be > 1. Fix: pass growth_factor=2.0, or dynamic=False for"
-            " a scale that never changes."
+            f"{owner}(growth_factor={growth_factor!r}): must be > 1. Fix: pass growth_factor=2.0, or dynamic=False."
         )
     if not backoff_factor < 1:
         raise ValueError(f"{owner}(backoff_factor={backoff_factor!r}): must be in (0, 1). Fix: pass 0.5.")

@@ -84,9 +84,8 @@ class AccelSyncBatchNorm(LayerSync):
     def apply(self, model: Module) -> Module:
         """Convert every BatchNorm layer of ``model`` in place to a synchronised one sharing its parameters and buffers.
 
-        Call it on every rank, after the default process group exists: it creates the sub-groups with
-        ``torch.distributed.new_group`` (all ranks, same order). Layers already synchronised are left alone; a
-        BatchNorm root is replaced (returned).
+        Call it on every rank, after the default process group exists (it creates the sub-groups). Layers already
+        synchronised are left alone; a BatchNorm root is replaced (returned).
 
         Raises:
             ValueError: ``group_size`` does not divide the world size, or ``implementation="torch"`` while the layers
@@ -132,10 +131,9 @@ class AccelSyncBatchNorm(LayerSync):
         if self.implementation == "torch":
             if device in ("cpu", "meta"):
                 raise ValueError(
-                    f"AccelSyncBatchNorm(implementation='torch'): the BatchNorm layers will run on CPU (device"
-                    f" {device!r}, process-group backend {backend or 'none'!r}), but torch.nn.SyncBatchNorm only runs"
-                    " on CUDA/XPU/HPU devices (on CPU its forward and DDP's constructor raise). Use"
-                    " implementation='portable' (or 'auto'), which runs on every backend."
+                    f"AccelSyncBatchNorm(implementation='torch'): the layers will run on CPU (device {device!r},"
+                    f" backend {backend or 'none'!r}), but torch.nn.SyncBatchNorm only runs on CUDA/XPU/HPU devices."
+                    " Use implementation='portable' (or 'auto'), which runs on every backend."
                 )
             return "torch"
         return AUTO_ON_CUDA_NCCL if device == "cuda" and "nccl" in backend else "portable"
