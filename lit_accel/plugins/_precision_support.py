@@ -39,11 +39,7 @@ _LIGHTNING_ONLY = ("32", "32-true", "64", "64-true", "16-true", "bf16-true")
 
 
 def resolve_precision(owner: str, value: object) -> str:
-    """The canonical precision for ``value`` (``16`` and ``"16"`` are ``"16-mixed"``, ``"bf16"`` is ``"bf16-mixed"``).
-
-    Raises:
-        ValueError: a precision that is not mixed (Lightning runs it), or an unknown one (naming the closest).
-    """
+    """The canonical precision for ``value`` (``16`` is ``"16-mixed"``); ValueError naming the closest one else."""
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else repr(value)
     if text in _SPELLINGS:
         return _SPELLINGS[text]
@@ -77,11 +73,7 @@ def check_scaler(owner: str, precision: str, scaler: object) -> None:
 
 
 def float8_conversion(owner: str, precision: str, float8: Any, float8_filter: Any) -> Float8Conversion | None:
-    """``"fp8-mixed"``'s conversion from ``float8`` (a ``Float8LinearConfig`` or a ready conversion) and the filter.
-
-    Raises:
-        ValueError: FP8 settings with another precision, or a filter besides a ready conversion.
-    """
+    """``"fp8-mixed"``'s conversion from ``float8`` (a ``Float8LinearConfig`` or a ready conversion) and the filter."""
     given = "float8" if float8 is not None else "float8_filter" if float8_filter is not None else None
     if precision != "fp8-mixed" and given:
         raise ValueError(
@@ -102,11 +94,7 @@ def float8_conversion(owner: str, precision: str, float8: Any, float8_filter: An
 
 
 def check_optimizers(owner: str, optimizers: list[Any], clip_val: float | None) -> None:
-    """Refuse optimizers fp16 loss scaling cannot drive, before the first step.
-
-    Raises:
-        TypeError: LBFGS. ValueError: clipping with an optimizer that unscales by itself.
-    """
+    """Refuse optimizers fp16 loss scaling cannot drive (LBFGS; with clipping, self-unscaling ones) before a step."""
     raw = [unwrap(opt) for opt in optimizers]
     if any(isinstance(opt, LBFGS) for opt in raw):
         raise TypeError(
@@ -119,10 +107,7 @@ def check_optimizers(owner: str, optimizers: list[Any], clip_val: float | None) 
 
 
 def refuse_self_unscaling(owner: str, optimizer: Optimizer, clip_val: float) -> None:
-    """Raises ValueError for an optimizer on torch's deprecated ``step(grad_scaler=...)`` contract.
-
-    It unscales inside ``step()``, after clipping would have acted on scaled gradients.
-    """
+    """Refuse clipping with an optimizer that unscales only inside ``step(grad_scaler=...)`` (torch's old API)."""
     if _compat.optimizer_takes_grad_scaler(optimizer):
         raise ValueError(
             f"{owner}('16-mixed'): clipping (gradient_clip_val={clip_val}) with {type(optimizer).__name__}, which"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -177,12 +177,12 @@ class AccelPrecision(MixedPrecision):
     @contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
         """As ``forward_context``; ``"fp8-mixed"`` runs under ``no_grad``, not inference mode (docs/precision.md)."""
-        leave = self._float8 is not None and torch.is_inference_mode_enabled()
-        inference_off, no_grad = (
-            (torch.inference_mode(False), torch.no_grad()) if leave else (nullcontext(), nullcontext())
-        )
-        with inference_off, no_grad, self.forward_context():
-            yield
+        if self._float8 is not None and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad(), self.forward_context():
+                yield
+        else:
+            with self.forward_context():
+                yield
 
     test_step_context = val_step_context
     predict_step_context = val_step_context
@@ -212,10 +212,9 @@ class AccelPrecision(MixedPrecision):
         return output
 
     def _step_unscaled(self, optimizer: Optimizer, model: pl.LightningModule, result: Any, **kwargs: Any) -> Any:
-        """Nothing scaled to unscale or check: not a skipped step (schedulers move, as in Lightning).
+        """No backward (``training_step`` returned None), or, in manual optimization, none that reached this optimizer.
 
-        Either there was no backward (``training_step`` returned None), or, in manual optimization, this backward did
-        not reach the optimizer's parameters.
+        Nothing scaled to unscale or check: not a skipped step (schedulers move, as in Lightning).
         """
         self._after_closure(model, optimizer)
         self._skipped[id(optimizer)] = False

@@ -217,10 +217,7 @@ class Float8Conversion:
         return model
 
     def revert(self, model: nn.Module) -> nn.Module:
-        """Put back the Linear objects :meth:`apply` replaced in ``model`` (unwrapped from DDP first).
-
-        They point at the current (trained) parameters; the user's classes, attributes and hooks come back.
-        """
+        """Put back the user's Linear objects :meth:`apply` replaced (unwrap DDP first), with the current parameters."""
         self._padding.remove()
 
         def revert(module: nn.Module) -> nn.Module | None:

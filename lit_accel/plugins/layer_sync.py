@@ -59,13 +59,8 @@ class AccelSyncBatchNorm(LayerSync):
 
     Example::
 
-        import lightning.pytorch as pl
-        from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-
         # 2 nodes x 8 GPUs: BatchNorm statistics over the 8 GPUs of each node
-        trainer = pl.Trainer(
-            accelerator="gpu", devices=8, num_nodes=2, strategy="ddp", plugins=[AccelSyncBatchNorm(group_size=8)]
-        )
+        trainer = Trainer(accelerator="gpu", devices=8, num_nodes=2, strategy="ddp", plugins=[AccelSyncBatchNorm(8)])
     """
 
     def __init__(self, group_size: int | None = None, implementation: _Implementation = "auto") -> None:

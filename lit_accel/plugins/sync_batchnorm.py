@@ -109,8 +109,7 @@ def _normalize(
 ) -> Tensor:
     """``(x − mean)·invstd·weight + bias`` per channel: BatchNorm's element-wise kernel fed these statistics.
 
-    For ``(N, C)`` inputs on CPU that kernel steps through the channels one value at a time; there its own formula,
-    ``x·α + β`` with ``α = invstd·weight`` and ``β = bias − mean·α``, runs as one broadcast ``addcmul`` instead.
+    On CPU ``(N, C)`` inputs, where that kernel is a scalar loop, its formula ``x·α + β`` as one broadcast ``addcmul``.
     """
     mean, var, invstd, _, eps = stats
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == mean.dtype:
