@@ -24,15 +24,7 @@ def rows_to_pad(rows: int) -> int:
 
 
 class RowPadding:
-    """Forward hooks on FP8 layers: unaligned input rows padded before the layer, the padding sliced off after it.
-
-    Example::
-
-        padding = RowPadding()
-        padding.install([model.fc1, model.fc2])  # converted Float8Linear layers
-        ...
-        padding.remove()
-    """
+    """Forward hooks on FP8 layers: unaligned input rows padded before the layer, the padding sliced off after it."""
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []

@@ -105,10 +105,8 @@ class Float8Conversion:
     Args:
         config: torchao's ``Float8LinearConfig`` (e.g. ``Float8LinearConfig.from_recipe_name("rowwise")``); None:
             ``Float8LinearConfig()``, dynamic tensorwise scaling. Its ``emulate`` field is set from the decision below.
-        module_filter: which eligible layers convert. A callable ``(module, fqn) -> bool`` returns True to convert
-            (torchao's ``module_filter_fn``); an iterable of names leaves out every Linear whose fully qualified name,
-            or the name of a module containing it, matches one of them (fnmatch patterns: ``"head"``, ``"blocks.11"``,
-            ``"*.attn.qkv"``). A name matching no module raises in :meth:`apply`.
+        module_filter: which eligible layers convert: a callable ``(module, fqn) -> bool`` (True converts), or fnmatch
+            names of modules to leave out with their Linear layers (``"head"``, ``"blocks.11"``, ``"*.attn.qkv"``).
         emulate: None (default) runs FP8 tensor cores on CUDA GPUs of compute capability >= 8.9, emulates on devices
             without them (CPU) and refuses older GPUs; True always emulates; False requires FP8 tensor cores.
 
@@ -240,8 +238,6 @@ class Float8Conversion:
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         excluded = self._excluded_by_names(names_of, [name for name, _ in linears])
         inside_mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
-        eligible: set[int] = set()
-        converted: list[str] = []
         skipped: dict[str, str] = {}
         for name, module in linears:
             reason = _structural_reason(module, Float8Linear, id(module) in inside_mha)
@@ -249,12 +245,11 @@ class Float8Conversion:
                 id(module) in excluded or (callable(self.module_filter) and not self.module_filter(module, name))
             ):
                 reason = "excluded by module_filter"
-            if reason is None:
-                eligible.add(id(module))
-                converted.append(name)
-            else:
+            if reason is not None:
                 skipped[name] = reason
-        return eligible, Float8Report(tuple(converted), skipped, emulated, device_type)
+        converted = [(name, module) for name, module in linears if name not in skipped]
+        report = Float8Report(tuple(name for name, _ in converted), skipped, emulated, device_type)
+        return {id(module) for _, module in converted}, report
 
     def _excluded_by_names(self, names_of: dict[int, list[str]], linear_names: list[str]) -> set[int]:
         if self._names is None:

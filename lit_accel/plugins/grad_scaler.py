@@ -131,10 +131,9 @@ class DynamicGradScaler(torch.amp.GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's __getstate__ drops the scale and tracker tensors (keeping their values); recreate them here
         # (ddp_spawn pickles the plugin into its workers).
-        home, self_state = state.get("_home"), dict(state)
-        super().__setstate__(self_state)
-        if home is not None:
-            _compat.init_grad_scaler_tensors(self, home)
+        super().__setstate__(state)
+        if self._home is not None:
+            _compat.init_grad_scaler_tensors(self, self._home)
             self._grad_scale = self._scale_tensor().clone()
             self._grad_scale_copied = self._scale_version
 
