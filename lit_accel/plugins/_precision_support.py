@@ -9,6 +9,7 @@ import difflib
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import LBFGS, Optimizer
 
@@ -143,10 +144,8 @@ def scaler_state_of(state_dict: dict[str, Any]) -> tuple[str | None, dict[str, A
 
 def trainer_of(model: nn.Module) -> pl.Trainer | None:
     """The Trainer of the LightningModule inside a strategy's wrappers (DDP's ``module``), if it is attached to one."""
-    import lightning.pytorch as pl
-
     for _ in range(8):  # bounded: wrappers nest a few levels at most
-        if isinstance(model, pl.LightningModule):
+        if isinstance(model, LightningModule):
             try:
                 return model.trainer
             except RuntimeError:  # "not attached to a Trainer"

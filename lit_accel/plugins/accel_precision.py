@@ -108,8 +108,7 @@ class AccelPrecision(MixedPrecision):
     @property
     def skipped_steps(self) -> int:
         """fp16 optimizer steps a ``DynamicGradScaler`` skipped for inf/NaN gradients (else 0). Syncs."""
-        scaler = self.scaler
-        return int(scaler.state_dict()["skipped_steps"]) if isinstance(scaler, DynamicGradScaler) else 0
+        return int(self.scaler.state_dict()["skipped_steps"]) if isinstance(self.scaler, DynamicGradScaler) else 0
 
     def step_was_skipped(self, optimizer: Optimizer | None = None) -> bool:
         """Whether the last step of ``optimizer`` (of any optimizer, for ``None``) was skipped (``SkippedStepRecord``).

@@ -49,10 +49,9 @@ class AccelSyncBatchNorm(LayerSync):
         group_size: synchronise within consecutive groups of this many ranks (ranks ``[0..k-1]``, ``[k..2k-1]``, ...),
             e.g. the GPUs of one node. ``None`` (default) synchronises the whole world; ``1`` is local BatchNorm (no
             communication). Must divide the world size (checked in :meth:`apply`).
-        implementation: ``"portable"`` always uses :class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm` (one
-            all-reduce per forward and per backward, any backend); ``"torch"`` uses ``torch.nn.SyncBatchNorm``
-            (CUDA/XPU/HPU only; a host sync per layer in its forward); ``"auto"`` (default) picks the portable one
-            unless a measurement on CUDA with NCCL found torch's faster (``AUTO_ON_CUDA_NCCL``). Same result.
+        implementation: ``"portable"`` (:class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm`, any backend),
+            ``"torch"`` (``torch.nn.SyncBatchNorm``, CUDA/XPU/HPU only) or ``"auto"`` (default: the portable one unless
+            ``AUTO_ON_CUDA_NCCL`` says torch's on CUDA with NCCL). Same result.
 
     Raises:
         TypeError: ``group_size`` is not an int or None. ValueError: it is below 1, or ``implementation`` is unknown.

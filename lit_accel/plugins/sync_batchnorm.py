@@ -127,8 +127,7 @@ def _normalize(
 def _local_grad_sums(grad_output: Tensor, input: Tensor, stats: _Stats) -> tuple[Tensor, Tensor, Tensor]:
     """Local ``Σdy``, the second sum to all-reduce, and ``Σdy·x̂`` (the weight gradient), in the statistics' dtype.
 
-    The second sum is ``Σdy·(x−μ)`` on CUDA, the quantity its ``batch_norm_backward_elemt`` kernel takes, and
-    ``Σdy·x̂`` elsewhere, where it is the weight gradient ``native_batch_norm_backward`` computes anyway.
+    The second sum is ``Σdy·(x−μ)`` on CUDA (what ``batch_norm_backward_elemt`` takes), else ``Σdy·x̂`` (free there).
     """
     if input.is_cuda:
         sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
