@@ -225,7 +225,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         if local_count == 0:
             return torch.empty_like(input)
-        # Plain BatchNorm's element-wise step with the global statistics.
         w = _cast(weight, compute_dtype) if weight is not None else None
         b = _cast(bias, compute_dtype) if bias is not None else None
         return _normalize(input, w, b, stats, out)
