@@ -91,9 +91,6 @@ def float8_conversion(owner: str, precision: str, float8: Any, float8_filter: An
     return float8
 
 
-# ---------------------------------------------------------------------- optimizers
-
-
 def check_optimizers(owner: str, optimizers: list[Any], clip_val: float | None) -> None:
     """Refuse optimizers fp16 loss scaling cannot drive (LBFGS; with clipping, self-unscaling ones) before a step."""
     raw = [unwrap(opt) for opt in optimizers]
@@ -126,9 +123,6 @@ def unwrap(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-# ---------------------------------------------------------------------- checkpoints
-
-
 def scaler_state_of(state_dict: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     """``(saved precision, scaler state)`` of a plugin's saved state.
 
@@ -137,9 +131,6 @@ def scaler_state_of(state_dict: dict[str, Any]) -> tuple[str | None, dict[str, A
     saved = state_dict.get("precision", "16-mixed" if "scale" in state_dict else None)
     nested = state_dict.get("scaler")
     return saved, nested if nested is not None else (state_dict if "scale" in state_dict else None)
-
-
-# ---------------------------------------------------------------------- the Trainer behind a model
 
 
 def trainer_of(model: nn.Module) -> pl.Trainer | None:

@@ -93,8 +93,6 @@ class AccelPrecision(MixedPrecision):
             # there, and the rank's GPU is only known in connect().
             scaler.to("cpu")
 
-    # ------------------------------------------------------------------ public state
-
     @property
     def float8_report(self) -> Float8Report | None:
         """``"fp8-mixed"``: the Linear layers converted at setup and why the others were not (``None`` before)."""
@@ -125,8 +123,6 @@ class AccelPrecision(MixedPrecision):
         dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
         # cache_enabled=False as in Lightning's MixedPrecision: weights are re-cast on every use inside the context.
         return torch.autocast(self.device, dtype=dtype, cache_enabled=False)
-
-    # ------------------------------------------------------------------ setup
 
     @override
     def connect(
@@ -185,8 +181,6 @@ class AccelPrecision(MixedPrecision):
 
     test_step_context = val_step_context
     predict_step_context = val_step_context
-
-    # ------------------------------------------------------------------ optimizer step
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -252,8 +246,6 @@ class AccelPrecision(MixedPrecision):
             else:
                 self._float8.revert(model)
         super().teardown()
-
-    # ------------------------------------------------------------------ checkpointing
 
     @override
     def state_dict(self) -> dict[str, Any]:

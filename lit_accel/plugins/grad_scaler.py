@@ -95,8 +95,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
         if target is not None:
             self.to(target)
 
-    # ------------------------------------------------------------------ device
-
     def to(self, device: str | torch.device) -> DynamicGradScaler:
         """Create the scale and counters on ``device`` now, or move them there (one host read when moving)."""
         target = torch.device(device)
@@ -154,8 +152,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
     def _get_growth_tracker(self) -> int:
         self._write_pending()  # nothing is pending before the device exists
         return super()._get_growth_tracker()
-
-    # ------------------------------------------------------------------ scaling
 
     @override
     def scale(self, outputs: Any) -> Any:
@@ -287,8 +283,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
         streak.copy_(torch.where(backoff, 0, streak_next))
         return backoff
 
-    # ------------------------------------------------------------------ reading
-
     @property
     def loss_scaling(self) -> bool:
         """Always True: a ``DynamicGradScaler`` cannot be disabled (the ``ScalerStatsProvider`` protocol)."""
@@ -317,8 +311,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._require("counter")
         self._write_pending()
         return self._counts[_COUNTERS.index(name)]
-
-    # ------------------------------------------------------------------ checkpointing
 
     @override
     def state_dict(self) -> dict[str, Any]:
