@@ -1,7 +1,6 @@
 """Precision and layer-sync plugins: :class:`AccelPrecision` with its :class:`DynamicGradScaler`, and SyncBatchNorm.
 
-The portable :class:`SyncBatchNorm` and its Lightning ``LayerSync`` plugin :class:`AccelSyncBatchNorm` are what the
-strategies use; they also work with Lightning's own ``DDPStrategy`` (``Trainer(plugins=[AccelSyncBatchNorm()])``).
+:class:`AccelSyncBatchNorm` also works with Lightning's own ``DDPStrategy`` (``Trainer(plugins=[...])``).
 """
 
 from lit_accel.plugins.accel_precision import AccelPrecision

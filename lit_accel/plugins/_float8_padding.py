@@ -1,14 +1,6 @@
 """``RowPadding``: the rows of a converted layer's input padded to a multiple of 16 when the FP8 GEMMs need it.
 
-``torch._scaled_mm`` (the FP8 tensor-core GEMM) needs its second operand's dimensions and the inner dimension to be
-multiples of 16. ``Float8Conversion`` checks a Linear's in/out features; the rows of its input (batch x tokens, M)
-are the inner dimension of the weight-gradient GEMM (``grad_out.T [N, M] @ x [M, K]``) and change with every batch:
-a ViT's 197 tokens at a batch of 3 give 591 rows, and Lightning's last partial batch can be any size. torchao's
-``pad_inner_dim`` pads the inner dimension of all three GEMMs with a copy, aligned or not; this pads only the rows,
-only when they are not aligned (a shape test on the host, no sync). Zero rows add nothing to the weight gradient or
-to the FP8 scales (an amax), and their outputs are sliced off, so the result is that of the unpadded rows.
-
-Emulated layers are padded too, so that FP8 emulation on a CPU runs the shapes the tensor cores get.
+Why and how (only unaligned batches, emulated layers too, left to torchao with ``pad_inner_dim``): docs/precision.md.
 """
 
 from __future__ import annotations
@@ -32,15 +24,7 @@ def rows_to_pad(rows: int) -> int:
 
 
 class RowPadding:
-    """Forward hooks on FP8 layers: unaligned input rows padded before the layer, the padding sliced off after it.
-
-    Example::
-
-        padding = RowPadding()
-        padding.install([model.fc1, model.fc2])  # converted Float8Linear layers
-        ...
-        padding.remove()
-    """
+    """Forward hooks on FP8 layers: unaligned input rows padded before the layer, the padding sliced off after it."""
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []

@@ -1,9 +1,7 @@
 """``MinScaleStop``: an fp16 run whose loss scale is stuck at ``min_scale`` stops with an explanation.
 
-A ``DynamicGradScaler`` never backs off below its ``min_scale``; an overflow there is counted on the device as a
-*min-scale hit*. Without a stop every later step would be skipped forever (DeepSpeed raises there, Megatron-LM clamps).
-The hit counter is read on the host only when that is cheap: after an overflowing step whose skip is already known on
-the host (non-fused optimizers), or every ``check_interval`` steps (fused optimizers, which skip on the device).
+Without it, every step after a *min-scale hit* would be skipped (DeepSpeed raises there, Megatron-LM clamps). When the
+hit counter is read on the host: docs/precision.md, "Host syncs per optimizer step".
 """
 
 from __future__ import annotations

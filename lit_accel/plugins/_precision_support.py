@@ -9,6 +9,7 @@ import difflib
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import LBFGS, Optimizer
 
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
-    "TORCH_SCALER_KEYS",
     "check_optimizers",
     "check_scaler",
     "float8_conversion",
@@ -32,9 +32,6 @@ __all__ = [
     "unwrap",
 ]
 
-#: The entries of a ``torch.amp.GradScaler`` state dict, which Lightning's ``MixedPrecision`` saves.
-TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
 # Every spelling Lightning's Trainer accepts for the precisions AccelPrecision implements, to the canonical one.
 _SPELLINGS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
               "fp8-mixed": "fp8-mixed"}  # fmt: skip
@@ -43,11 +40,7 @@ _LIGHTNING_ONLY = ("32", "32-true", "64", "64-true", "16-true", "bf16-true")
 
 
 def resolve_precision(owner: str, value: object) -> str:
-    """The canonical precision for ``value`` (``16`` and ``"16"`` are ``"16-mixed"``, ``"bf16"`` is ``"bf16-mixed"``).
-
-    Raises:
-        ValueError: a precision that is not mixed (Lightning runs it), or an unknown one (naming the closest).
-    """
+    """The canonical precision for ``value`` (``16`` is ``"16-mixed"``); ValueError naming the closest one else."""
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else repr(value)
     if text in _SPELLINGS:
         return _SPELLINGS[text]
@@ -81,11 +74,7 @@ def check_scaler(owner: str, precision: str, scaler: object) -> None:
 
 
 def float8_conversion(owner: str, precision: str, float8: Any, float8_filter: Any) -> Float8Conversion | None:
-    """``"fp8-mixed"``'s conversion from ``float8`` (a ``Float8LinearConfig`` or a ready conversion) and the filter.
-
-    Raises:
-        ValueError: FP8 settings with another precision, or a filter besides a ready conversion.
-    """
+    """``"fp8-mixed"``'s conversion from ``float8`` (a ``Float8LinearConfig`` or a ready conversion) and the filter."""
     given = "float8" if float8 is not None else "float8_filter" if float8_filter is not None else None
     if precision != "fp8-mixed" and given:
         raise ValueError(
@@ -102,15 +91,8 @@ def float8_conversion(owner: str, precision: str, float8: Any, float8_filter: An
     return float8
 
 
-# ---------------------------------------------------------------------- optimizers
-
-
 def check_optimizers(owner: str, optimizers: list[Any], clip_val: float | None) -> None:
-    """Refuse optimizers fp16 loss scaling cannot drive, before the first step.
-
-    Raises:
-        TypeError: LBFGS. ValueError: clipping with an optimizer that unscales by itself.
-    """
+    """Refuse optimizers fp16 loss scaling cannot drive (LBFGS; with clipping, self-unscaling ones) before a step."""
     raw = [unwrap(opt) for opt in optimizers]
     if any(isinstance(opt, LBFGS) for opt in raw):
         raise TypeError(
@@ -123,10 +105,7 @@ def check_optimizers(owner: str, optimizers: list[Any], clip_val: float | None) 
 
 
 def refuse_self_unscaling(owner: str, optimizer: Optimizer, clip_val: float) -> None:
-    """Raises ValueError for an optimizer on torch's deprecated ``step(grad_scaler=...)`` contract.
-
-    It unscales inside ``step()``, after clipping would have acted on scaled gradients.
-    """
+    """Refuse clipping with an optimizer that unscales only inside ``step(grad_scaler=...)`` (torch's old API)."""
     if _compat.optimizer_takes_grad_scaler(optimizer):
         raise ValueError(
             f"{owner}('16-mixed'): clipping (gradient_clip_val={clip_val}) with {type(optimizer).__name__}, which"
@@ -144,9 +123,6 @@ def unwrap(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-# ---------------------------------------------------------------------- checkpoints
-
-
 def scaler_state_of(state_dict: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     """``(saved precision, scaler state)`` of a plugin's saved state.
 
@@ -157,15 +133,10 @@ def scaler_state_of(state_dict: dict[str, Any]) -> tuple[str | None, dict[str, A
     return saved, nested if nested is not None else (state_dict if "scale" in state_dict else None)
 
 
-# ---------------------------------------------------------------------- the Trainer behind a model
-
-
 def trainer_of(model: nn.Module) -> pl.Trainer | None:
     """The Trainer of the LightningModule inside a strategy's wrappers (DDP's ``module``), if it is attached to one."""
-    import lightning.pytorch as pl
-
     for _ in range(8):  # bounded: wrappers nest a few levels at most
-        if isinstance(model, pl.LightningModule):
+        if isinstance(model, LightningModule):
             try:
                 return model.trainer
             except RuntimeError:  # "not attached to a Trainer"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -93,8 +93,6 @@ class AccelPrecision(MixedPrecision):
             # there, and the rank's GPU is only known in connect().
             scaler.to("cpu")
 
-    # ------------------------------------------------------------------ public state
-
     @property
     def float8_report(self) -> Float8Report | None:
         """``"fp8-mixed"``: the Linear layers converted at setup and why the others were not (``None`` before)."""
@@ -108,8 +106,7 @@ class AccelPrecision(MixedPrecision):
     @property
     def skipped_steps(self) -> int:
         """fp16 optimizer steps a ``DynamicGradScaler`` skipped for inf/NaN gradients (else 0). Syncs."""
-        scaler = self.scaler
-        return int(scaler.state_dict()["skipped_steps"]) if isinstance(scaler, DynamicGradScaler) else 0
+        return int(self.scaler.state_dict()["skipped_steps"]) if isinstance(self.scaler, DynamicGradScaler) else 0
 
     def step_was_skipped(self, optimizer: Optimizer | None = None) -> bool:
         """Whether the last step of ``optimizer`` (of any optimizer, for ``None``) was skipped (``SkippedStepRecord``).
@@ -126,8 +123,6 @@ class AccelPrecision(MixedPrecision):
         dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
         # cache_enabled=False as in Lightning's MixedPrecision: weights are re-cast on every use inside the context.
         return torch.autocast(self.device, dtype=dtype, cache_enabled=False)
-
-    # ------------------------------------------------------------------ setup
 
     @override
     def connect(
@@ -176,22 +171,16 @@ class AccelPrecision(MixedPrecision):
     @override
     @contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
-        """As ``forward_context``; ``"fp8-mixed"`` evaluates under ``no_grad`` instead of inference mode.
-
-        Under inference mode, CPU autocast sends torchao's float8 tensors an ``aten.to.dtype``, which they do not
-        implement; ``no_grad`` records no graph and saves no tensors either.
-        """
-        leave = self._float8 is not None and torch.is_inference_mode_enabled()
-        inference_off, no_grad = (
-            (torch.inference_mode(False), torch.no_grad()) if leave else (nullcontext(), nullcontext())
-        )
-        with inference_off, no_grad, self.forward_context():
-            yield
+        """As ``forward_context``; ``"fp8-mixed"`` runs under ``no_grad``, not inference mode (docs/precision.md)."""
+        if self._float8 is not None and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad(), self.forward_context():
+                yield
+        else:
+            with self.forward_context():
+                yield
 
     test_step_context = val_step_context
     predict_step_context = val_step_context
-
-    # ------------------------------------------------------------------ optimizer step
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -216,10 +205,9 @@ class AccelPrecision(MixedPrecision):
         return output
 
     def _step_unscaled(self, optimizer: Optimizer, model: pl.LightningModule, result: Any, **kwargs: Any) -> Any:
-        """Nothing scaled to unscale or check: not a skipped step (schedulers move, as in Lightning).
+        """No backward (``training_step`` returned None), or, in manual optimization, none that reached this optimizer.
 
-        Either there was no backward (``training_step`` returned None), or, in manual optimization, this backward did
-        not reach the optimizer's parameters.
+        Nothing scaled to unscale or check: not a skipped step (schedulers move, as in Lightning).
         """
         self._after_closure(model, optimizer)
         self._skipped[id(optimizer)] = False
@@ -259,14 +247,9 @@ class AccelPrecision(MixedPrecision):
                 self._float8.revert(model)
         super().teardown()
 
-    # ------------------------------------------------------------------ checkpointing
-
     @override
     def state_dict(self) -> dict[str, Any]:
-        """fp16: the scaler's state under torch's keys (as ``MixedPrecision``), its counters, the min-scale history.
-
-        Reading it syncs (checkpoint time only). Empty without a scaler, as ``MixedPrecision``'s.
-        """
+        """fp16: the scaler's state (torch's keys, as ``MixedPrecision``), its counters, the min-scale record. Syncs."""
         if self.scaler is None:
             return {}
         return {**self.scaler.state_dict(), "outcomes": self.min_scale_stop.state_dict(), "precision": self.precision}
@@ -287,9 +270,8 @@ class AccelPrecision(MixedPrecision):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Also write the scale under ``MixedPrecision``'s key, so a run resumed with Lightning's plugin keeps it."""
-        if self.scaler is not None:
-            state = self.scaler.state_dict()
-            checkpoint.setdefault("MixedPrecision", {key: state[key] for key in support.TORCH_SCALER_KEYS})
+        if self.scaler is not None:  # torch's own entries only, as MixedPrecision saves them
+            checkpoint.setdefault("MixedPrecision", torch.amp.GradScaler.state_dict(self.scaler))
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

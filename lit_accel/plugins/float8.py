@@ -1,10 +1,7 @@
 """FP8 training of ``nn.Linear`` layers through torchao, reversibly: the conversion behind ``"fp8-mixed"``.
 
-torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` for its ``Float8Linear`` (input, weight and output gradient
-cast to float8 with dynamic scales; FP8 matmuls, or fp32 ones on the dequantized values when emulated). This module adds
-what a Trainer integration needs around it: which layers convert (multiples of 16, a user filter, a report of why
-others did not; unaligned input rows padded by ``RowPadding``), where FP8 runs (:func:`resolve_emulation`), and an exact
-revert. Convert before ``DistributedDataParallel`` or ``fully_shard`` wrap the model. Notes: ``docs/precision.md``.
+What it adds to torchao's ``convert_to_float8_training`` (which layers, where FP8 runs, an exact revert) and why:
+docs/precision.md, "FP8".
 """
 
 from __future__ import annotations
@@ -46,14 +43,11 @@ _MAX_LISTED = 4  # layers named in the one-line message; the report holds all of
 
 
 def resolve_emulation(device_type: str, capability: tuple[int, int] | None, emulate: bool | None) -> bool:
-    """Whether the FP8 matmuls must be emulated: the decision, as a pure function of the device and the user's choice.
-
-    ``capability`` is the CUDA compute capability (ignored off CUDA); ``emulate`` None decides, True always emulates,
-    False requires FP8 tensor cores. True: FP8 casts and scales, matmuls in fp32 on the dequantized values.
+    """Whether the FP8 matmuls run in fp32 on dequantized values (emulated): the table in docs/precision.md, "FP8".
 
     Raises:
-        RuntimeError: a CUDA GPU below compute capability 8.9 without ``emulate=True``, or ``emulate=False`` on a
-            device other than CUDA.
+        RuntimeError: a CUDA GPU below compute capability 8.9 (or unknown) without ``emulate=True``, or
+            ``emulate=False`` off CUDA.
     """
     if emulate:
         return True
@@ -105,18 +99,14 @@ class Float8Report:
 class Float8Conversion:
     """Convert a model's ``nn.Linear`` layers to torchao's FP8 training layers, report which, and undo it exactly.
 
-    The converted layers share the original ``Parameter`` objects (fp32 master weights; gradients stay fp32), so the
-    ``state_dict`` keys and dtypes do not change and an optimizer built before :meth:`apply` steps the same tensors (not
-    with ``enable_fsdp_float8_all_gather``, which wraps the weights). Convert before DDP or ``fully_shard`` wrap the
-    model.
+    The converted layers share the original fp32 ``Parameter`` objects (``state_dict`` keys, dtypes and an optimizer
+    built before :meth:`apply` stay valid, except with float8 all-gather). Convert before DDP or ``fully_shard``.
 
     Args:
         config: torchao's ``Float8LinearConfig`` (e.g. ``Float8LinearConfig.from_recipe_name("rowwise")``); None:
             ``Float8LinearConfig()``, dynamic tensorwise scaling. Its ``emulate`` field is set from the decision below.
-        module_filter: which eligible layers convert. A callable ``(module, fqn) -> bool`` returns True to convert
-            (torchao's ``module_filter_fn``); an iterable of names leaves out every Linear whose fully qualified name,
-            or the name of a module containing it, matches one of them (fnmatch patterns: ``"head"``, ``"blocks.11"``,
-            ``"*.attn.qkv"``). A name matching no module raises in :meth:`apply`.
+        module_filter: which eligible layers convert: a callable ``(module, fqn) -> bool`` (True converts), or fnmatch
+            names of modules to leave out with their Linear layers (``"head"``, ``"blocks.11"``, ``"*.attn.qkv"``).
         emulate: None (default) runs FP8 tensor cores on CUDA GPUs of compute capability >= 8.9, emulates on devices
             without them (CPU) and refuses older GPUs; True always emulates; False requires FP8 tensor cores.
 
@@ -151,12 +141,13 @@ class Float8Conversion:
                 f"Float8Conversion(config={config!r}): expected a torchao.float8.Float8LinearConfig or None."
                 " Fix: pass e.g. config=Float8LinearConfig.from_recipe_name('rowwise')."
             )
-        if isinstance(module_filter, str) or not (
-            module_filter is None or callable(module_filter) or isinstance(module_filter, Iterable)
-        ):
+        names = None if module_filter is None or callable(module_filter) else module_filter
+        if isinstance(names, Iterable) and not isinstance(names, str):
+            names = tuple(names)
+        if names is not None and not (isinstance(names, tuple) and all(isinstance(n, str) for n in names)):
             raise TypeError(
                 f"Float8Conversion(module_filter={module_filter!r}): expected a callable (module, fqn) -> bool or a"
-                " list of module names. Fix: pass e.g. module_filter=['head']."
+                " list of module names, and every name must be a str. Fix: pass e.g. module_filter=['head']."
             )
         if emulate is not None and not isinstance(emulate, bool):
             raise TypeError(f"Float8Conversion(emulate={emulate!r}): expected None, True or False. Fix: pass None.")
@@ -168,12 +159,7 @@ class Float8Conversion:
             )
         self.emulate = True if self.config.emulate else emulate
         self.module_filter = module_filter
-        self._names = None if module_filter is None or callable(module_filter) else tuple(module_filter)
-        if self._names is not None and not all(isinstance(n, str) for n in self._names):
-            raise TypeError(
-                f"Float8Conversion(module_filter={module_filter!r}): every name must be a str. Fix: pass e.g."
-                " module_filter=['head']."
-            )
+        self._names: tuple[str, ...] | None = names
         #: What the last :meth:`apply` did (None before).
         self.report: Float8Report | None = None
         self._padding = RowPadding()
@@ -188,17 +174,12 @@ class Float8Conversion:
         """Convert the eligible Linear layers of ``model`` in place and log the report.
 
         Args:
-            model: the unwrapped model (not yet in DDP, not sharded). A Linear root is replaced, not converted in place.
+            model: the unwrapped model (not yet in DDP, not sharded). A Linear root is replaced (returned).
             device: the device the model will train on (Lightning calls this before moving the model there).
 
-        Returns:
-            The converted model.
-
         Raises:
-            ValueError: a ``module_filter`` name matches no module, or no Linear layer is eligible (the message says
-                why for each).
-            RuntimeError: the model is already wrapped or sharded, or the device cannot run FP8 (see
-                :func:`resolve_emulation`).
+            ValueError: a ``module_filter`` name matches no module, or no Linear layer is eligible (saying why).
+            RuntimeError: the model is already wrapped or sharded, or the device cannot run FP8.
         """
         from torchao.float8 import convert_to_float8_training
 
@@ -234,10 +215,7 @@ class Float8Conversion:
         return model
 
     def revert(self, model: nn.Module) -> nn.Module:
-        """Put back the Linear objects :meth:`apply` replaced in ``model`` (unwrapped from DDP first).
-
-        They point at the current (trained) parameters; the user's classes, attributes and hooks come back.
-        """
+        """Put back the user's Linear objects :meth:`apply` replaced (unwrap DDP first), with the current parameters."""
         self._padding.remove()
 
         def revert(module: nn.Module) -> nn.Module | None:
@@ -260,8 +238,6 @@ class Float8Conversion:
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         excluded = self._excluded_by_names(names_of, [name for name, _ in linears])
         inside_mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
-        eligible: set[int] = set()
-        converted: list[str] = []
         skipped: dict[str, str] = {}
         for name, module in linears:
             reason = _structural_reason(module, Float8Linear, id(module) in inside_mha)
@@ -269,12 +245,11 @@ class Float8Conversion:
                 id(module) in excluded or (callable(self.module_filter) and not self.module_filter(module, name))
             ):
                 reason = "excluded by module_filter"
-            if reason is None:
-                eligible.add(id(module))
-                converted.append(name)
-            else:
+            if reason is not None:
                 skipped[name] = reason
-        return eligible, Float8Report(tuple(converted), skipped, emulated, device_type)
+        converted = [(name, module) for name, module in linears if name not in skipped]
+        report = Float8Report(tuple(name for name, _ in converted), skipped, emulated, device_type)
+        return {id(module) for _, module in converted}, report
 
     def _excluded_by_names(self, names_of: dict[int, list[str]], linear_names: list[str]) -> set[int]:
         if self._names is None:
@@ -309,9 +284,7 @@ def _structural_reason(module: nn.Linear, float8_cls: type, inside_mha: bool) ->
         return "has child modules"
     if inside_mha:
         return "inside nn.MultiheadAttention, which does not call its forward"
-    bad = [
-        f"{k}={v}" for k, v in (("in_features", module.in_features), ("out_features", module.out_features)) if v % 16
-    ]
+    bad = [f"{dim}={getattr(module, dim)}" for dim in ("in_features", "out_features") if getattr(module, dim) % 16]
     if bad:
         return f"{' and '.join(bad)} {'is not a multiple' if len(bad) == 1 else 'are not multiples'} of 16"
     return None
@@ -343,8 +316,7 @@ def _check_unwrapped(model: nn.Module) -> None:
 def _fsdp_float8_inner(tensor: Any) -> Any:
     """The fp32 tensor inside torchao's FSDP float8 weight wrapper (``enable_fsdp_float8_all_gather``), else None.
 
-    ``WeightWithDynamicFloat8CastTensor`` keeps it in ``_tensor`` (torchao 0.18); the revert and state-dict tests fail
-    loudly if that changes.
+    Its ``_tensor`` (torchao 0.18): the revert and state-dict tests fail loudly if that changes.
     """
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 

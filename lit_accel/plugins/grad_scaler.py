@@ -1,24 +1,12 @@
 """``DynamicGradScaler``: torch's ``GradScaler`` with hysteresis, scale bounds and on-device counters.
 
 The update policy is DeepSpeed's (``runtime/fp16/loss_scaler.py``, ``consecutive_hysteresis=True``) and Megatron-LM's
-(``optimizer/grad_scaler.py``), written as a handful of tensor ops so that it needs no host sync:
-
-* overflow (inf/NaN in any gradient): the step is skipped, the growth tracker resets and the overflow streak grows;
-  when the streak reaches ``hysteresis`` the scale is multiplied by ``backoff_factor`` (never below ``min_scale``).
-  An overflow while the scale is already at ``min_scale`` is counted as a *min-scale hit*, so the caller can stop.
-* clean step: the streak resets; after ``growth_interval`` consecutive clean steps the scale is multiplied by
-  ``growth_factor`` (never above ``max_scale``). With ``hysteresis=1`` this is torch's rule clamped to the bounds, so
-  ``update()`` runs torch's own one-kernel update and then the clamp and the counters.
-
-Most steps change only the growth tracker and the step count. Where the host knows every skip already (non-fused
-optimizers: their step reads the flag), it follows tracker and streak, such a step runs no tensor op, and its counts
-reach the device at reads (``scaler_stats``, ``state_dict``) or the next update that needs it (overflow, growth).
-The backward's scale (``_grad_scale``) is copied only after the scale may have changed. Details: docs/precision.md.
+(``optimizer/grad_scaler.py``), as tensor ops with no host sync; the rules and what stays on the host:
+docs/precision.md ("Loss scaling", "Host syncs per optimizer step").
 """
 
 from __future__ import annotations
 
-import math
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -52,8 +40,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
     Pass it to ``AccelPrecision("16-mixed", scaler=...)``, which places it on the Trainer's device, or use it in a raw
     loop or any ``MixedPrecision(scaler=...)``: without ``device`` its tensors are created at the first ``scale()``, on
     the loss's device, as torch's are. It is the ``ScalerStatsProvider`` the ``LossScaleMonitor`` reads.
-    ``load_state_dict`` keeps the constructor's settings, so resuming with a lower ``min_scale`` continues a run that
-    stopped at the minimum.
 
     Args:
         device: where the scale and counters live; ``None`` decides at ``to(device)`` or the first ``scale()``.
@@ -109,8 +95,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
         if target is not None:
             self.to(target)
 
-    # ------------------------------------------------------------------ device
-
     def to(self, device: str | torch.device) -> DynamicGradScaler:
         """Create the scale and counters on ``device`` now, or move them there (one host read when moving)."""
         target = torch.device(device)
@@ -145,10 +129,9 @@ class DynamicGradScaler(torch.amp.GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's __getstate__ drops the scale and tracker tensors (keeping their values); recreate them here
         # (ddp_spawn pickles the plugin into its workers).
-        home, self_state = state.get("_home"), dict(state)
-        super().__setstate__(self_state)
-        if home is not None:
-            _compat.init_grad_scaler_tensors(self, home)
+        super().__setstate__(state)
+        if self._home is not None:
+            _compat.init_grad_scaler_tensors(self, self._home)
             self._grad_scale = self._scale_tensor().clone()
             self._grad_scale_copied = self._scale_version
 
@@ -169,8 +152,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
     def _get_growth_tracker(self) -> int:
         self._write_pending()  # nothing is pending before the device exists
         return super()._get_growth_tracker()
-
-    # ------------------------------------------------------------------ scaling
 
     @override
     def scale(self, outputs: Any) -> Any:
@@ -228,7 +209,7 @@ class DynamicGradScaler(torch.amp.GradScaler):
 
     @override
     def update(self, new_scale: float | Tensor | None = None) -> None:
-        """Apply the policy of the module docstring to the flags recorded since the last update.
+        """Apply the policy (docs/precision.md, "Loss scaling") to the flags recorded since the last update.
 
         ``new_scale`` sets the scale by hand (torch's behaviour) and leaves every counter unchanged.
         """
@@ -302,8 +283,6 @@ class DynamicGradScaler(torch.amp.GradScaler):
         streak.copy_(torch.where(backoff, 0, streak_next))
         return backoff
 
-    # ------------------------------------------------------------------ reading
-
     @property
     def loss_scaling(self) -> bool:
         """Always True: a ``DynamicGradScaler`` cannot be disabled (the ``ScalerStatsProvider`` protocol)."""
@@ -333,17 +312,12 @@ class DynamicGradScaler(torch.amp.GradScaler):
         self._write_pending()
         return self._counts[_COUNTERS.index(name)]
 
-    # ------------------------------------------------------------------ checkpointing
-
     @override
     def state_dict(self) -> dict[str, Any]:
         """The entries of torch's scaler plus settings, streak and every counter, as Python numbers (syncs)."""
         self._write_pending()
-        state = {**super().state_dict(), **dict(zip(_COUNTERS, self._counts.tolist()))}
-        state.update(
-            hysteresis=self.hysteresis, min_scale=self.min_scale, max_scale=self.max_scale, dynamic=self.dynamic
-        )
-        return state
+        settings = {name: getattr(self, name) for name in ("hysteresis", "min_scale", "max_scale", "dynamic")}
+        return {**super().state_dict(), **dict(zip(_COUNTERS, self._counts.tolist())), **settings}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -382,8 +356,7 @@ def _validate(init_scale: float, growth_factor: float, backoff_factor: float, gr
     check_bool(owner, "dynamic", dynamic)
     if growth_factor <= 1:
         raise ValueError(
-            f"{owner}(growth_factor={growth_factor!r}): must be > 1. Fix: pass growth_factor=2.0, or dynamic=False for"
-            " a scale that never changes."
+            f"{owner}(growth_factor={growth_factor!r}): must be > 1. Fix: pass growth_factor=2.0, or dynamic=False."
         )
     if not backoff_factor < 1:
         raise ValueError(f"{owner}(backoff_factor={backoff_factor!r}): must be in (0, 1). Fix: pass 0.5.")
@@ -392,7 +365,7 @@ def _validate(init_scale: float, growth_factor: float, backoff_factor: float, gr
             f"{owner}(min_scale={min_scale!r}, init_scale={init_scale!r}): min_scale must be <= init_scale. Fix: pass"
             f" min_scale={init_scale!r} or a larger init_scale."
         )
-    if max_scale < init_scale or not math.isfinite(max_scale):
+    if max_scale < init_scale:  # (check_number refused a non-finite one)
         raise ValueError(
             f"{owner}(max_scale={max_scale!r}, init_scale={init_scale!r}): max_scale must be >= init_scale. Fix: pass"
             f" max_scale={max(init_scale, 2.0**24)!r}."

@@ -1,12 +1,7 @@
 """``AccelSyncBatchNorm``: Lightning's layer-sync plugin, made portable, group-aware and exactly reversible.
 
-Lightning's ``Trainer(sync_batchnorm=True)`` converts to ``torch.nn.SyncBatchNorm`` (CUDA only: on CPU/gloo the DDP
-constructor raises "SyncBatchNorm layers only work with GPU modules"), always syncs the whole world, and its
-``revert`` rebuilds ``_BatchNormXd`` modules instead of the user's classes. This plugin converts every ``_BatchNorm``
-to a synchronised layer sharing its ``Parameter`` objects and buffers (optimizer state and checkpoints keep working),
-syncs within consecutive groups of ``group_size`` ranks as Apex's ``convert_syncbn_model(process_group=...)`` did, and
-reverts to the original module objects (classes, attributes, hooks) with the trained parameters and current buffers
-(``model.to(device)`` replaces buffer tensors after ``apply``) under unchanged ``state_dict`` keys.
+Lightning's ``TorchSyncBatchNorm`` is CUDA only, syncs the whole world and reverts to ``_BatchNormXd`` rather than the
+user's classes; what this one does instead: ``docs/strategies.md``, SyncBatchNorm.
 """
 
 from __future__ import annotations
@@ -32,18 +27,13 @@ _Implementation = Literal["auto", "portable", "torch"]
 _ORIGINAL = "_lit_accel_original"
 # The device a process-group backend carries tensors on; gloo, mpi and ucc carry CPU tensors.
 _BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
-#: What ``"auto"`` picks on CUDA with NCCL: lit_accel's layer (no host sync; torch's forward syncs once per layer on
-#: a boolean mask, and both use the fused CUDA backward kernels) until a measurement says otherwise:
-#: ``benchmarks/gpu_check.py --checks syncbn`` times both and its "auto" row says which one to put here.
+#: What ``"auto"`` picks on CUDA with NCCL: lit_accel's layer (no host sync; torch's forward has one per layer) until
+#: ``benchmarks/gpu_check.py --checks syncbn``, which times both, says torch's is faster.
 AUTO_ON_CUDA_NCCL: Literal["portable", "torch"] = "portable"
 
 
 def count_batchnorm_layers(model: Module) -> int:
-    """Number of BatchNorm layers (``torch.nn.modules.batchnorm._BatchNorm``, synchronised ones included) in ``model``.
-
-    A module shared at several places counts once. ``AccelDDP`` uses it to tell the user that ``sync_batchnorm=True``
-    has nothing to do on a model without BatchNorm (a ViT, say).
-    """
+    """Number of BatchNorm layers in ``model``, synchronised ones included; a layer shared at two places counts once."""
     return sum(isinstance(m, _BatchNorm) for m in model.modules())
 
 
@@ -59,23 +49,17 @@ class AccelSyncBatchNorm(LayerSync):
         group_size: synchronise within consecutive groups of this many ranks (ranks ``[0..k-1]``, ``[k..2k-1]``, ...),
             e.g. the GPUs of one node. ``None`` (default) synchronises the whole world; ``1`` is local BatchNorm (no
             communication). Must divide the world size (checked in :meth:`apply`).
-        implementation: ``"portable"`` always uses :class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm` (one
-            all-reduce per forward and per backward, any backend); ``"torch"`` uses ``torch.nn.SyncBatchNorm``
-            (CUDA/XPU/HPU only; a host sync per layer in its forward); ``"auto"`` (default) picks the portable one
-            unless a measurement on CUDA with NCCL found torch's faster (``AUTO_ON_CUDA_NCCL``). Same result.
+        implementation: ``"portable"`` (:class:`~lit_accel.plugins.sync_batchnorm.SyncBatchNorm`, any backend),
+            ``"torch"`` (``torch.nn.SyncBatchNorm``, CUDA/XPU/HPU only) or ``"auto"`` (default: the portable one unless
+            ``AUTO_ON_CUDA_NCCL`` says torch's on CUDA with NCCL). Same result.
 
     Raises:
         TypeError: ``group_size`` is not an int or None. ValueError: it is below 1, or ``implementation`` is unknown.
 
     Example::
 
-        import lightning.pytorch as pl
-        from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-
         # 2 nodes x 8 GPUs: BatchNorm statistics over the 8 GPUs of each node
-        trainer = pl.Trainer(
-            accelerator="gpu", devices=8, num_nodes=2, strategy="ddp", plugins=[AccelSyncBatchNorm(group_size=8)]
-        )
+        trainer = Trainer(accelerator="gpu", devices=8, num_nodes=2, strategy="ddp", plugins=[AccelSyncBatchNorm(8)])
     """
 
     def __init__(self, group_size: int | None = None, implementation: _Implementation = "auto") -> None:
@@ -94,9 +78,8 @@ class AccelSyncBatchNorm(LayerSync):
     def apply(self, model: Module) -> Module:
         """Convert every BatchNorm layer of ``model`` in place to a synchronised one sharing its parameters and buffers.
 
-        Call it on every rank, after the default process group exists: it creates the sub-groups with
-        ``torch.distributed.new_group`` (all ranks, same order). Layers already synchronised are left alone; a
-        BatchNorm root is replaced (returned).
+        Call it on every rank, after the default process group exists (it creates the sub-groups). Layers already
+        synchronised are left alone; a BatchNorm root is replaced (returned).
 
         Raises:
             ValueError: ``group_size`` does not divide the world size, or ``implementation="torch"`` while the layers
@@ -110,11 +93,7 @@ class AccelSyncBatchNorm(LayerSync):
 
     @override
     def revert(self, model: Module) -> Module:
-        """Put back the modules :meth:`apply` replaced in ``model`` (possibly moved to another device since).
-
-        They come back as the user's objects (classes, attributes) pointing at the synchronised layers' parameters and
-        buffers, so the trained values, the current running statistics and the ``state_dict`` keys carry over.
-        """
+        """Put back the user's modules :meth:`apply` replaced, with the current parameters and running statistics."""
         return swap_modules(model, _original_with_current_tensors)
 
     def _create_group(self) -> Any | None:
@@ -146,10 +125,9 @@ class AccelSyncBatchNorm(LayerSync):
         if self.implementation == "torch":
             if device in ("cpu", "meta"):
                 raise ValueError(
-                    f"AccelSyncBatchNorm(implementation='torch'): the BatchNorm layers will run on CPU (device"
-                    f" {device!r}, process-group backend {backend or 'none'!r}), but torch.nn.SyncBatchNorm only runs"
-                    " on CUDA/XPU/HPU devices (on CPU its forward and DDP's constructor raise). Use"
-                    " implementation='portable' (or 'auto'), which runs on every backend."
+                    f"AccelSyncBatchNorm(implementation='torch'): the layers will run on CPU (device {device!r},"
+                    f" backend {backend or 'none'!r}), but torch.nn.SyncBatchNorm only runs on CUDA/XPU/HPU devices."
+                    " Use implementation='portable' (or 'auto'), which runs on every backend."
                 )
             return "torch"
         return AUTO_ON_CUDA_NCCL if device == "cuda" and "nccl" in backend else "portable"
@@ -163,12 +141,9 @@ class AccelSyncBatchNorm(LayerSync):
         sync.process_group = self.process_group
         # Share every parameter and buffer *object* (user subclasses may add some), so optimizer state and the
         # state_dict keys are those of the original layer.
-        sync._parameters.clear()
-        sync._parameters.update(bn._parameters)
-        sync._buffers.clear()
-        sync._buffers.update(bn._buffers)
-        sync._non_persistent_buffers_set.clear()
-        sync._non_persistent_buffers_set.update(bn._non_persistent_buffers_set)
+        for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+            getattr(sync, registry).clear()
+            getattr(sync, registry).update(getattr(bn, registry))
         sync.training = bn.training
         if hasattr(bn, "qconfig"):  # as torch.nn.SyncBatchNorm.convert_sync_batchnorm does
             sync.qconfig = bn.qconfig

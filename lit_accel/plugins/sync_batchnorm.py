@@ -1,24 +1,7 @@
 """A portable synchronised BatchNorm: one all-reduce in forward, one in backward, on any backend.
 
-``torch.nn.SyncBatchNorm`` only runs on CUDA-like devices (on CPU/gloo DDP rejects it and ``torch.batch_norm_stats``
-has no CPU kernel). :class:`SyncBatchNorm` does the work with torch's own batch-norm kernels on every device:
-
-* **forward**: this rank's ``[Σx, Σx², n]`` (``2C+1`` numbers) from its centred moments (BatchNorm's statistics kernel
-  ``batch_norm_update_stats``, or vectorised sums around a shift where that kernel is a scalar loop), all-reduced; the
-  output is ``torch.native_batch_norm`` in inference mode fed with the *global* mean and variance: plain BatchNorm's
-  element-wise kernel.
-* **backward**: local ``Σdy`` and ``Σdy·x̂`` from ``native_batch_norm_backward`` (on CUDA ``Σdy`` and ``Σdy·(x−μ)``
-  from ``batch_norm_backward_reduce``), all-reduced as one ``2C`` tensor; then the BatchNorm input gradient with the
-  global sums, ``dx = γσ⁻¹·(dy − mean(dy) − x̂·mean(dy·x̂))``: ``batch_norm_backward_elemt`` on CUDA, elsewhere one
-  inference-mode ``native_batch_norm`` pass over ``x`` and one in-place ``addcmul_`` of ``dy`` (no CPU kernel does
-  it in one pass). The weight and bias gradients stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them like
-  every other gradient.
-
-Numerics: the ``2C+1`` statistics are combined in float64, because ``E[x²] − E[x]²`` in float32 loses the variance
-when ``|mean| ≫ std`` (error about ``2⁻²⁴·mean²``: with mean 1e3 and std 1, several percent). The local moments are
-centred (two-pass or Welford kernels, or sums around the shift ``K``, for which ``x − K`` is exact near the mean), so
-float64 holds up to ``|mean|/std`` near 1e5 (1e2 on MPS, which has no float64). float16/bfloat16 inputs are read
-without conversion on CPU and CUDA; the output keeps the input's dtype and memory format, without copies.
+``torch.nn.SyncBatchNorm`` only runs on CUDA-like devices; :class:`SyncBatchNorm` runs torch's own BatchNorm kernels
+with the group's statistics on every device. How it computes, and its numerics: ``docs/strategies.md``, SyncBatchNorm.
 """
 
 from __future__ import annotations
@@ -41,7 +24,7 @@ def _all_reduce_sum(tensor: Tensor, group: Any) -> None:
 
 
 def _stats_dtype(compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    # float64 for the tiny (2C+1) reduced tensor, needed for |mean| >> std (see the module docstring and
+    # float64 for the tiny (2C+1) reduced tensor, needed for |mean| >> std (docs/strategies.md and
     # test_large_mean_small_std_needs_the_float64_combination); MPS has no float64.
     return compute_dtype if device.type == "mps" else torch.float64
 
@@ -126,8 +109,7 @@ def _normalize(
 ) -> Tensor:
     """``(x − mean)·invstd·weight + bias`` per channel: BatchNorm's element-wise kernel fed these statistics.
 
-    For ``(N, C)`` inputs on CPU that kernel steps through the channels one value at a time; there its own formula,
-    ``x·α + β`` with ``α = invstd·weight`` and ``β = bias − mean·α``, runs as one broadcast ``addcmul`` instead.
+    On CPU ``(N, C)`` inputs, where that kernel is a scalar loop, its formula ``x·α + β`` as one broadcast ``addcmul``.
     """
     mean, var, invstd, _, eps = stats
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == mean.dtype:
@@ -145,8 +127,7 @@ def _normalize(
 def _local_grad_sums(grad_output: Tensor, input: Tensor, stats: _Stats) -> tuple[Tensor, Tensor, Tensor]:
     """Local ``Σdy``, the second sum to all-reduce, and ``Σdy·x̂`` (the weight gradient), in the statistics' dtype.
 
-    The second sum is ``Σdy·(x−μ)`` on CUDA, the quantity its ``batch_norm_backward_elemt`` kernel takes, and
-    ``Σdy·x̂`` elsewhere, where it is the weight gradient ``native_batch_norm_backward`` computes anyway.
+    The second sum is ``Σdy·(x−μ)`` on CUDA (what ``batch_norm_backward_elemt`` takes), else ``Σdy·x̂`` (free there).
     """
     if input.is_cuda:
         sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
@@ -244,7 +225,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         if local_count == 0:
             return torch.empty_like(input)
-        # Plain BatchNorm's element-wise step with the global statistics.
         w = _cast(weight, compute_dtype) if weight is not None else None
         b = _cast(bias, compute_dtype) if bias is not None else None
         return _normalize(input, w, b, stats, out)
@@ -277,12 +257,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics are those of the whole process group's batch, on any backend.
 
-    Drop-in for ``torch.nn.SyncBatchNorm`` (same constructor, same parameters, buffers and ``state_dict`` keys) that
-    also runs on CPU/gloo, accepts any input BatchNorm1d/2d/3d accepts, ranks with different (even zero) batch
-    sizes, and float16/bfloat16 inputs (statistics in float32). One ``all_reduce`` in forward and one in backward;
-    none in eval mode, and none when the group has a single rank or ``torch.distributed`` is not initialised (then it
-    is plain BatchNorm). Prefer :class:`~lit_accel.plugins.layer_sync.AccelSyncBatchNorm`, which converts a model's
-    layers and picks torch's fused CUDA kernels where they apply.
+    Drop-in for ``torch.nn.SyncBatchNorm`` (same constructor, parameters, buffers and ``state_dict`` keys) that also
+    runs on CPU/gloo, with uneven (even empty) per-rank batches and float16/bfloat16 inputs. One ``all_reduce`` in
+    forward and one in backward; none in eval mode or without a process group of several ranks (plain BatchNorm then).
+    :class:`~lit_accel.plugins.layer_sync.AccelSyncBatchNorm` converts a model's layers to it.
 
     The layer raises on a *global* count of one value per channel (not a local one): a rank may hold a single sample.
     A rank whose loss does not use this layer's output skips its backward collective and leaves its peers waiting,
@@ -300,11 +278,8 @@ class SyncBatchNorm(_BatchNorm):
 
     Example::
 
-        import lightning.pytorch as pl
-        from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-
-        # converts every BatchNorm of the model to this layer while fitting, and back afterwards
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[AccelSyncBatchNorm()])
+        # every BatchNorm of the model converted to this layer while fitting, and back afterwards
+        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[AccelSyncBatchNorm()])
     """
 
     def __init__(

@@ -27,7 +27,7 @@ def _param_and_opt(fused: bool = False):
 
 
 def _reference_policy(pattern, init, growth, backoff, interval, hysteresis, min_scale, max_scale):
-    """The rules of the module docstring, one Python line each, for comparison with the tensor implementation."""
+    """The rules of docs/precision.md ("Loss scaling"), one Python line each: the tensor implementation's reference."""
     scale, tracker, streak = init, 0, 0
     skipped = growths = backoffs = hits = 0
     trace = []
