@@ -3,7 +3,8 @@
 An uneven split (stage 1 is the head alone) on 2 real gloo processes through ``Trainer.fit``: every stage's
 ``params_mb`` and ``grads_mb`` equal the bytes of its modules counted here from a fresh model, stage 0 reports more,
 and the largest stage is the existing maximum over ranks. The pp2 x dp2 run is in ``test_accel_parallel_bubble.py``.
-The labels (``StagePlacement``) of the interleaved and V schedules and the per-stage arithmetic are checked exactly.
+The labels (``StagePlacement``) of the interleaved and V schedules and the per-stage arithmetic are checked exactly, and
+Lightning's own strategy with the ``PipelineStages`` protocol added gets the per-stage figures too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -103,3 +105,20 @@ def test_per_stage_arithmetic_is_exact():
 
 def test_no_pipeline_no_placement():
     assert AccelParallel().pipeline_stages is None  # before the processes start, and without a pipeline dimension
+
+
+class _OneStage(SingleDeviceStrategy):
+    """Lightning's own strategy plus the protocol: the monitor needs nothing of AccelParallel's."""
+
+    @property
+    def pipeline_stages(self) -> StagePlacement:
+        return StagePlacement(0, ((0, 1),))
+
+
+def test_any_strategy_with_the_protocol_gets_per_stage_figures(capsys):
+    monitor = MemoryMonitor()
+    trainer = pl.Trainer(strategy=_OneStage("cpu"), callbacks=[monitor], **small_trainer_kwargs(max_steps=1))
+    trainer.fit(PipeModel(), DataLoader(dataset(8), batch_size=8))
+    assert monitor.summary["stage0/params_mb"] == monitor.summary["params_mb"] == module_bytes(PipeModel()) / 1e6
+    assert monitor.report["config"]["pipeline_stages"] == [[0, 1]]
+    assert "memory per pipeline stage" in capsys.readouterr().out
