@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_accel import AccelParallel, MemoryMonitor, PipelineStages, StagePlacement
+from lit_accel import AccelParallel, MemoryMeter, MemoryMonitor, PipelineStages, StagePlacement
 from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory, per_stage, stage_metrics
 from lit_accel.meters._memory_table import stage_table
 from lit_accel.strategies.parallel._layout import ParallelLayout
@@ -122,3 +122,9 @@ def test_any_strategy_with_the_protocol_gets_per_stage_figures(capsys):
     assert monitor.summary["stage0/params_mb"] == monitor.summary["params_mb"] == module_bytes(PipeModel()) / 1e6
     assert monitor.report["config"]["pipeline_stages"] == [[0, 1]]
     assert "memory per pipeline stage" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("stage", "error"), [(-1, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_a_bad_stage_label_is_refused(stage, error):
+    with pytest.raises(error, match=rf"MemoryMeter\(stage={stage!r}\): expected an int >= 0 or None\. Fix"):
+        MemoryMeter(stage=stage)
