@@ -38,9 +38,11 @@ from lit_accel.protocols import (
     CommStatsProvider,
     PipelineBubble,
     PipelineBubbleStats,
+    PipelineStages,
     ScalerStats,
     ScalerStatsProvider,
     SkippedStepRecord,
+    StagePlacement,
 )
 from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, PipelineLoss
 from lit_accel.strategies.batch_plan import BatchPlan
@@ -73,9 +75,11 @@ __all__ = [
     "PipelineBubble",
     "PipelineBubbleStats",
     "PipelineLoss",
+    "PipelineStages",
     "ProgressWatchdog",
     "ScalerStats",
     "ScalerStatsProvider",
     "SkippedStepRecord",
+    "StagePlacement",
     "SyncBatchNorm",
 ]

@@ -22,9 +22,11 @@ __all__ = [
     "ExposedComm",
     "PipelineBubble",
     "PipelineBubbleStats",
+    "PipelineStages",
     "ScalerStats",
     "ScalerStatsProvider",
     "SkippedStepRecord",
+    "StagePlacement",
 ]
 
 
@@ -179,4 +181,29 @@ class PipelineBubbleStats(Protocol):
 
     def pop_pipeline_bubble(self) -> PipelineBubble | None:
         """This rank's numbers since the previous call (``None``: no pipeline). Logging steps only: may sync."""
+        ...
+
+
+class StagePlacement(NamedTuple):
+    """Which pipeline stages each pipeline rank holds, and this rank's coordinate on the pipeline dimension.
+
+    ``stages[r]`` are the stage indices pipeline rank ``r`` holds, ascending: ``(r,)`` for GPipe and 1F1B,
+    ``(r, r + p, ...)`` for the interleaved schedules, ``(r, 2p - 1 - r)`` for the V schedules. A rank's first stage
+    is always ``r``; memory is a rank's, so the ``MemoryMonitor`` labels a rank's figures ``stage{r}``.
+    """
+
+    pipeline_rank: int
+    stages: tuple[tuple[int, ...], ...]
+
+
+@runtime_checkable
+class PipelineStages(Protocol):
+    """Optional, on a strategy that splits the model into pipeline stages (AccelParallel).
+
+    With it the ``MemoryMonitor`` reports the memory of each pipeline rank's stages beside the maximum over ranks.
+    """
+
+    @property
+    def pipeline_stages(self) -> StagePlacement | None:
+        """This rank's place in the pipeline (``None``: no pipeline dimension, or processes not started); no sync."""
         ...

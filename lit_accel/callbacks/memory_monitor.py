@@ -12,9 +12,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_accel.meters._memory_table import memory_table
+from lit_accel.meters._memory_table import memory_table, stage_table
 from lit_accel.meters._plots import memory_figure, save_report
 from lit_accel.meters.memory import MemoryMeter
+from lit_accel.protocols import PipelineStages, StagePlacement
 from lit_accel.utilities._compat import batches_that_stepped
 from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._validation import check_bool
@@ -40,7 +41,9 @@ class MemoryMonitor(Callback):
     Keys (after ``log_key_prefix``; MB = 1e6 bytes): ``params_mb``, ``grads_mb``, ``optimizer_mb``,
     ``activations_mb``, ``param_casts_mb`` (autocast's saved parameter copies), on CUDA ``peak_allocated_mb``,
     ``peak_reserved_mb``, ``alloc_retries``, ``ooms``; ``<name>_spread`` (max / min over ranks, e.g.
-    ``params_spread``) where ranks differ. Table of keys and formulas: ``docs/monitors.md``.
+    ``params_spread``) where ranks differ. Under a pipeline (a strategy with ``PipelineStages``) also
+    ``stage{k}/<name>_mb``: the maximum over the ranks of pipeline rank ``k`` (which holds stage ``k``, and more
+    under interleaved and V schedules), in the table and the report too. Keys and formulas: ``docs/monitors.md``.
 
     Args:
         report_path: where rank 0 writes the JSON report (``None``: no file).
@@ -83,6 +86,7 @@ class MemoryMonitor(Callback):
         #: The JSON report, on every rank, after fit.
         self.report: dict[str, Any] = {}
         self.meter: MemoryMeter | None = None
+        self._placement: StagePlacement | None = None
         self._step_label = 0
         self._logged_label: int | None = None
         self._last_step = 0  # global step at the end of the previous batch (a batch that moves it stepped)
@@ -90,7 +94,10 @@ class MemoryMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.meter = MemoryMeter(trainer.strategy.root_device, world_size=trainer.world_size)
+        strategy = trainer.strategy
+        self._placement = strategy.pipeline_stages if isinstance(strategy, PipelineStages) else None
+        stage = None if self._placement is None else self._placement.pipeline_rank  # gathered with the rows
+        self.meter = MemoryMeter(strategy.root_device, world_size=trainer.world_size, stage=stage)
         self._step_label, self._logged_label = batches_that_stepped(trainer), None
         self._last_step = trainer.global_step
         self._measuring(self.measure_activations)
@@ -174,6 +181,9 @@ class MemoryMonitor(Callback):
         self.report = meter.report()
         strategy = type(trainer.strategy).__name__
         self.report["config"].update(strategy=strategy, precision=str(trainer.precision))
+        held = () if self._placement is None else self._placement.stages
+        if held:
+            self.report["config"]["pipeline_stages"] = [list(stages) for stages in held]
         device = trainer.strategy.root_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         title = f"MemoryMonitor: {name} x{trainer.world_size}, {trainer.precision}, {strategy}"
@@ -183,4 +193,7 @@ class MemoryMonitor(Callback):
         if trainer.is_global_zero and self.print_summary:
             from rich.console import Console
 
-            Console().print(memory_table(meter.rows, self.summary, title))
+            console = Console()
+            console.print(memory_table(meter.rows, self.summary, title))
+            if "per_stage" in self.report:
+                console.print(stage_table(self.report["per_stage"], held))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["DTYPE_SLOTS", "DtypeBytes", "RankMemory", "lever_savings", "memory_metrics"]
+__all__ = ["DTYPE_SLOTS", "DtypeBytes", "RankMemory", "lever_savings", "memory_metrics", "per_stage", "stage_metrics"]
 
 #: The dtype split of every category, in vector order ("fp8": any float8 format; "other": ints, bools, complex...).
 DTYPE_SLOTS = ("fp32", "bf16", "fp16", "fp8", "fp64", "other")
@@ -120,6 +120,24 @@ def memory_metrics(rows: list[RankMemory], cuda: bool) -> dict[str, float]:
         out["alloc_retries"] = max(r.alloc_retries for r in rows)
         out["ooms"] = max(r.ooms for r in rows)
     return out
+
+
+def per_stage(rows: list[RankMemory], stages: list[int | None], cuda: bool) -> dict[int, dict[str, float]]:
+    """Per stage label (ascending): the ``*_mb`` metrics over the ranks with that label; empty unless all have one."""
+    labels = [stage for stage in stages if stage is not None]
+    if not labels or len(labels) < len(stages):
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for stage in sorted(set(labels)):
+        group = [row for row, label in zip(rows, labels) if label == stage]
+        out[stage] = {k: v for k, v in memory_metrics(group, cuda).items() if k.endswith("_mb")}
+    return out
+
+
+def stage_metrics(rows: list[RankMemory], stages: list[int | None], cuda: bool) -> dict[str, float]:
+    """``stage{k}/<name>_mb``: :func:`per_stage` flattened into logged keys."""
+    stages_metrics = per_stage(rows, stages, cuda)
+    return {f"stage{k}/{name}": v for k, metrics in stages_metrics.items() for name, v in metrics.items()}
 
 
 def lever_savings(rows: list[RankMemory]) -> dict[str, float]:

@@ -1,12 +1,13 @@
 """The end-of-fit table of :class:`~lit_accel.meters.MemoryMeter`, rendered with ``rich``.
 
 Bytes by category (the largest rank's, with its dtype split and unsharded size), then what each lever (sharding,
-autocast) saved per rank where one run tells.
+autocast) saved per rank where one run tells. Under a pipeline, a second table: each stage's largest rank.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory
 from lit_accel.utilities._units import format_bytes, format_count
@@ -14,7 +15,7 @@ from lit_accel.utilities._units import format_bytes, format_count
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["memory_table"]
+__all__ = ["memory_table", "stage_table"]
 
 # (label, RankMemory field, its unsharded field or None, summary key) in display order.
 _CATEGORIES = (
@@ -78,3 +79,24 @@ def _levers(summary: dict[str, float]) -> list[tuple[str, str]]:
         fp32 = format_bytes(summary["activations_fp32_equivalent_mb"] * 1e6)
         out.append((f"saved by autocast (est.; fp32: {fp32})", format_bytes(summary["autocast_saved_mb"] * 1e6)))
     return out
+
+
+def stage_table(per_stage: list[dict[str, Any]], held: Sequence[Sequence[int]] = ()) -> Table:
+    """One row per stage label (the report's ``per_stage``): each category's largest rank among that stage's ranks.
+
+    ``held[k]``: the stages the ranks labelled ``k`` hold (``StagePlacement.stages``), shown instead of ``k``.
+    """
+    from rich.table import Table
+
+    shown = [(label, key) for label, _, _, key in _CATEGORIES if any(s.get(f"{key}_mb") for s in per_stage)]
+    table = Table(title="memory per pipeline stage (largest rank of each)")
+    table.add_column("stages" if any(len(h) > 1 for h in held) else "stage")
+    table.add_column("ranks", justify="right")
+    for label, _ in shown:
+        table.add_column(label, justify="right")
+    for entry in per_stage:
+        stage = entry["stage"]
+        name = ", ".join(map(str, held[stage])) if stage < len(held) else str(stage)
+        cells = [format_bytes(entry.get(f"{key}_mb", 0.0) * 1e6) for _, key in shown]
+        table.add_row(name, format_count(len(entry["ranks"])), *cells)
+    return table

@@ -18,7 +18,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_accel.meters._allocator import AllocatorStats, CudaAllocatorStats
-from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory, lever_savings, memory_metrics
+from lit_accel.meters._memory_metrics import (
+    DtypeBytes,
+    RankMemory,
+    lever_savings,
+    memory_metrics,
+    per_stage,
+    stage_metrics,
+)
 from lit_accel.meters._memory_probe import SavedTensorProbe, Sized, size_tensors, state_tensors
 from lit_accel.utilities._compat import all_gather_flat
 from lit_accel.utilities._validation import check_int
@@ -35,16 +42,19 @@ class MemoryMeter:
     Call :meth:`record_state` just before a logging step's optimizer step (gradients are complete, not yet zeroed;
     once per optimizer), wrap the forward of a training micro-batch in :meth:`activations` (it measures the first
     one that saves tensors, then does nothing), and call :meth:`compute` at logging steps on every rank (it
-    gathers). Values are the maximum over ranks, plus ``*_spread`` (max / min) where ranks differ.
+    gathers). Values are the maximum over ranks, plus ``*_spread`` (max / min) where ranks differ, and with a
+    ``stage`` label on every rank ``stage{k}/<name>_mb``, the maximum over the ranks labelled ``k``.
 
     Args:
         device: the device the loop runs on (CUDA: the allocator's peaks and counters are read too).
         world_size: ranks taking part (default: the process group's, 1 without one).
         allocator: where the allocator's peaks and counters come from (default: the CUDA device's caching allocator
             on a CUDA ``device``, none elsewhere). Peaks restart at construction and at every :meth:`reset`.
+        stage: this rank's pipeline stage label (an int >= 0; a rank holding several stages: its pipeline
+            coordinate, ``StagePlacement``), gathered with the row; ``None``: no per-stage figures.
 
     Raises:
-        TypeError, ValueError: a ``world_size`` that is not an int >= 1.
+        TypeError, ValueError: a ``world_size`` that is not an int >= 1, a ``stage`` that is not an int >= 0.
 
     Example::
 
@@ -66,18 +76,23 @@ class MemoryMeter:
         *,
         world_size: int | None = None,
         allocator: AllocatorStats | None = None,
+        stage: int | None = None,
     ) -> None:
         check_int("MemoryMeter", "world_size", world_size, allow_none=True, example=8)
+        check_int("MemoryMeter", "stage", stage, minimum=0, allow_none=True, example=0)
         self.device = torch.device(device)
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.world_size = world_size
+        self.stage = stage
         self.cuda = self.device.type == "cuda"
         self.allocator = allocator if allocator is not None or not self.cuda else CudaAllocatorStats(self.device)
         #: ``{"step": index, **metrics}`` of every :meth:`compute`.
         self.history: list[dict[str, float]] = []
         #: Every rank's numbers at the last :meth:`compute`.
         self.rows: list[RankMemory] = []
+        #: Every rank's stage label at the last :meth:`compute` (``None`` where a rank has none).
+        self.stages: list[int | None] = []
         self._params: Sized | None = None
         self._per_optimizer: dict[int, tuple[Sized, Sized]] = {}
         self._activations: tuple[DtypeBytes, float] | None = None
@@ -87,7 +102,7 @@ class MemoryMeter:
 
     def reset(self) -> None:
         """Forget everything measured (a new fit): state, activations, history; allocator peaks and counters restart."""
-        self.history, self.rows = [], []
+        self.history, self.rows, self.stages = [], [], []
         self._params, self._per_optimizer, self._activations = None, {}, None
         if self._probe is not None and self._probe.active:
             self._probe.stop()
@@ -180,32 +195,49 @@ class MemoryMeter:
         Args:
             step: the index recorded with the metrics in :attr:`history` (default: the number of calls so far).
         """
-        self.rows = self._gather(self.local_row())
-        metrics = memory_metrics(self.rows, self.allocator is not None)
+        self.rows, self.stages = self._gather(self.local_row())
+        metrics = self._metrics()
         self.history.append({"step": len(self.history) if step is None else step, **metrics})
         return metrics
 
-    def _gather(self, row: RankMemory) -> list[RankMemory]:
-        values = row.vector()
+    def _metrics(self) -> dict[str, float]:
+        cuda = self.allocator is not None
+        return {**memory_metrics(self.rows, cuda), **stage_metrics(self.rows, self.stages, cuda)}
+
+    def _gather(self, row: RankMemory) -> tuple[list[RankMemory], list[int | None]]:
+        """Every rank's row and stage label; the label travels as the vector's last number (-1: none)."""
         if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return [row]
+            return [row], [self.stage]
+        values = [*row.vector(), -1.0 if self.stage is None else float(self.stage)]
         device = self.device if self.cuda else torch.device("cpu")  # gloo gathers CPU tensors, NCCL CUDA ones
         local = torch.tensor(values, dtype=torch.float64, device=device)
         gathered = torch.empty(self.world_size * len(values), dtype=torch.float64, device=device)
         all_gather_flat(gathered, local)
-        return [RankMemory.from_vector(r) for r in gathered.reshape(self.world_size, -1).cpu().tolist()]
+        ranks = gathered.reshape(self.world_size, -1).cpu().tolist()
+        return [RankMemory.from_vector(r[:-1]) for r in ranks], [int(r[-1]) if r[-1] >= 0 else None for r in ranks]
 
     def summary(self) -> dict[str, float]:
         """The last :meth:`compute`'s metrics and what each lever saved (``lever_savings``); empty before."""
         if not self.rows:
             return {}
-        return {**memory_metrics(self.rows, self.allocator is not None), **lever_savings(self.rows)}
+        return {**self._metrics(), **lever_savings(self.rows)}
 
     def report(self) -> dict[str, Any]:
-        """The JSON report: configuration, the summary, every rank's bytes by dtype, and every logged value."""
-        return {
+        """The JSON report: configuration, the summary, every rank's bytes by dtype, and every logged value.
+
+        With stage labels, each rank's ``stage`` and ``per_stage``: each label's ranks and ``*_mb`` metrics.
+        """
+        per_rank = [{"rank": rank, **row.as_dict()} for rank, row in enumerate(self.rows)]
+        report = {
             "config": {"device": str(self.device), "world_size": self.world_size},
             "summary": self.summary(),
-            "per_rank": [{"rank": rank, **row.as_dict()} for rank, row in enumerate(self.rows)],
+            "per_rank": per_rank,
             "history": self.history,
         }
+        stages = per_stage(self.rows, self.stages, self.allocator is not None)
+        if stages:
+            for entry, stage in zip(per_rank, self.stages):
+                entry["stage"] = stage
+            ranks = {k: [r for r, label in enumerate(self.stages) if label == k] for k in stages}
+            report["per_stage"] = [{"stage": k, "ranks": ranks[k], **metrics} for k, metrics in stages.items()]
+        return report

@@ -131,16 +131,26 @@ def _monitored(rank: int, world: int) -> tuple[dict[str, float], dict[str, float
     kwargs = small_trainer_kwargs(devices=world, max_steps=3, max_epochs=-1, log_every_n_steps=1)
     trainer = pl.Trainer(strategy=AccelParallel(pipeline_parallel=2), callbacks=[efficiency, memory], **kwargs)
     trainer.fit(PipeModel(), DataLoader(dataset(64), batch_size=8))
-    return efficiency.summary, memory.report["per_rank"][rank]
+    return efficiency.summary, memory.report["per_rank"][rank], memory.summary
 
 
 def test_monitors_under_pipeline_and_data_parallel():
+    from tests.helpers.parallel import PipeModel
+
     results = run_distributed(_monitored, 4, init_process_group=False, timeout=300)
     efficiency = results[0][0]
     assert 0.0 < efficiency["pipeline_bubble_frac"] < 1.0 and "pipeline_bubble_frac_analytic" in efficiency
     assert efficiency["comm_gb_per_step"] > 0  # FSDP's collectives and the stages' sends
     assert "tflops_per_device" not in efficiency
-    params = [row["params"]["total"] for _, row in results]  # MemoryMonitor's per-rank rows: ranks 0, 1 hold stage 0
+    params = [row["params"]["total"] for _, row, _ in results]  # MemoryMonitor's per-rank rows: ranks 0, 1 hold stage 0
     # stage 0: embed 6x8+8 and two blocks of 2x(8x16)+16+8; stage 1: two blocks, norm 2x8, head 8x3+3 (fp32, in 2)
     assert params[0] + params[1] == 4 * (56 + 2 * 280)
     assert params[2] + params[3] == 4 * (2 * 280 + 16 + 27)
+    # Per stage, the larger of its two FSDP shards: fully_shard gives rank 0 ceil(d0 / 2) rows of every parameter.
+    model = PipeModel()
+    stages = {0: [model.embed, *model.blocks[:2]], 1: [*model.blocks[2:], model.norm, model.head]}
+    memory = results[0][2]
+    for stage, modules in stages.items():
+        nbytes = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for m in modules for p in m.parameters())
+        assert memory[f"stage{stage}/params_mb"] == nbytes / 1e6
+    assert memory["params_mb"] == max(memory["stage0/params_mb"], memory["stage1/params_mb"])

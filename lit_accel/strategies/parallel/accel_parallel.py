@@ -26,6 +26,7 @@ from lit_accel.strategies.parallel._layout import ParallelLayout
 from lit_accel.strategies.parallel._pipeline import PipelineRunner
 from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec
 from lit_accel.strategies.parallel._stage import ParallelCommStats
+from lit_accel.strategies.parallel._stages import stage_placement
 from lit_accel.strategies.parallel._tensor_plan import TensorPlan
 from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.utilities import _compat
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
-    from lit_accel.protocols import CommStats
+    from lit_accel.protocols import CommStats, StagePlacement
 
 __all__ = ["AccelParallel"]
 
@@ -170,6 +171,13 @@ class AccelParallel(ModelParallelStrategy):
     def pipeline(self) -> PipelineRunner | None:
         """This rank's stages and schedules (``None`` without a pipeline dimension)."""
         return self._pipeline
+
+    @property
+    def pipeline_stages(self) -> StagePlacement | None:
+        """Every pipeline rank's stages and this rank's coordinate (``PipelineStages``); ``None`` without a pipeline."""
+        if self._layout is None or self._layout.pipeline == 1:
+            return None
+        return stage_placement(self._layout, SCHEDULES[self.schedule], self.stages_per_rank, self.global_rank)
 
     @property
     @override

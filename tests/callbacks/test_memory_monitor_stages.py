@@ -1,0 +1,130 @@
+"""MemoryMonitor per pipeline stage: under AccelParallel each stage's figures are the bytes of that stage's modules.
+
+An uneven split (stage 1 is the head alone) on 2 real gloo processes through ``Trainer.fit``: every stage's
+``params_mb`` and ``grads_mb`` equal the bytes of its modules counted here from a fresh model, stage 0 reports more,
+and the largest stage is the existing maximum over ranks. The pp2 x dp2 run is in ``test_accel_parallel_bubble.py``.
+The labels (``StagePlacement``) of the interleaved and V schedules and the per-stage arithmetic are checked exactly, and
+Lightning's own strategy with the ``PipelineStages`` protocol added gets the per-stage figures too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lit_accel import AccelParallel, MemoryMeter, MemoryMonitor, PipelineStages, StagePlacement
+from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory, per_stage, stage_metrics
+from lit_accel.meters._memory_table import stage_table
+from lit_accel.strategies.parallel._layout import ParallelLayout
+from lit_accel.strategies.parallel._schedules import SCHEDULES
+from lit_accel.strategies.parallel._stages import stage_placement
+from tests.helpers import CaptureLogger, run_distributed, small_trainer_kwargs
+from tests.helpers.parallel import PipeModel, dataset
+
+
+def module_bytes(*modules: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+def _fit(rank: int, world: int) -> dict[str, Any]:
+    logger = CaptureLogger()
+    monitor = MemoryMonitor(print_summary=False)
+    strategy = AccelParallel(pipeline_parallel=2, stage_split=["head"])  # stage 1: the head alone
+    kwargs = small_trainer_kwargs(devices=world, max_steps=2, max_epochs=-1, log_every_n_steps=1, logger=logger)
+    trainer = pl.Trainer(strategy=strategy, callbacks=[monitor], **kwargs)
+    trainer.fit(PipeModel(), DataLoader(dataset(32), batch_size=8))
+    assert isinstance(strategy, PipelineStages)
+    return {"summary": monitor.summary, "report": monitor.report, "logged": logger.rows}
+
+
+def test_each_stage_reports_the_bytes_of_its_own_modules():
+    results = run_distributed(_fit, 2, init_process_group=False, timeout=180)
+    model = PipeModel()
+    expected = {0: module_bytes(model.embed, model.blocks, model.norm), 1: module_bytes(model.head)}
+    summary, report = results[0]["summary"], results[0]["report"]
+    for stage, nbytes in expected.items():
+        assert summary[f"stage{stage}/params_mb"] == nbytes / 1e6
+        assert summary[f"stage{stage}/grads_mb"] == nbytes / 1e6  # fp32 gradients of the same parameters
+        assert summary[f"stage{stage}/optimizer_mb"] == nbytes / 1e6  # SGD's momentum buffers
+    assert summary["stage0/params_mb"] > summary["stage1/params_mb"]
+    assert summary["params_mb"] == max(summary[f"stage{k}/params_mb"] for k in expected)
+    assert summary["params_spread"] == expected[0] / expected[1]
+    assert [(e["stage"], e["ranks"], e["params_mb"]) for e in report["per_stage"]] == [
+        (0, [0], expected[0] / 1e6),
+        (1, [1], expected[1] / 1e6),
+    ]
+    assert [r["stage"] for r in report["per_rank"]] == [0, 1]
+    assert report["config"]["pipeline_stages"] == [[0], [1]]
+    logged = [metrics for _, metrics in results[0]["logged"] if "mem/params_mb" in metrics]
+    assert len(logged) == 2  # both steps are logging steps (the end of fit logs nothing new)
+    for metrics in logged:
+        assert metrics["mem/stage0/params_mb"] == expected[0] / 1e6
+        assert metrics["mem/stage1/params_mb"] == expected[1] / 1e6
+    assert results[1]["logged"] == []  # rank 0 logs
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pipeline", "held"),
+    [
+        ("1f1b", 4, ((0,), (1,), (2,), (3,))),
+        ("interleaved_1f1b", 2, ((0, 2), (1, 3))),
+        ("zbv", 2, ((0, 3), (1, 2))),
+    ],
+)
+def test_placement_labels_each_rank_by_its_pipeline_coordinate(schedule, pipeline, held):
+    layout = ParallelLayout.from_world("test", 2 * pipeline, pipeline, 1, 1)  # data 2: ranks 2k, 2k+1 share stages
+    for rank in range(2 * pipeline):
+        placement = stage_placement(layout, SCHEDULES[schedule], None, rank)
+        assert placement == StagePlacement(rank // 2, held)
+        assert placement.stages[placement.pipeline_rank][0] == placement.pipeline_rank  # its first stage
+
+
+def test_per_stage_arithmetic_is_exact():
+    def row(params: float) -> RankMemory:
+        return RankMemory(params=DtypeBytes(fp32=params), state_recorded=1.0)
+
+    rows = [row(3e6), row(1e6), row(2e6), row(2e6)]
+    stages = per_stage(rows, [0, 0, 1, 1], cuda=False)
+    assert stages == {
+        0: {"params_mb": 3.0, "grads_mb": 0.0, "optimizer_mb": 0.0},  # the max over its ranks, no spread keys
+        1: {"params_mb": 2.0, "grads_mb": 0.0, "optimizer_mb": 0.0},
+    }
+    assert stage_metrics(rows, [1, 1, 0, 0], cuda=False)["stage0/params_mb"] == 2.0
+    assert stage_metrics(rows, [0, None, 1, 1], cuda=False) == {}  # a rank without a label: no per-stage figures
+    assert stage_metrics(rows, [None] * 4, cuda=False) == {}
+    entries = [{"stage": k, "ranks": [2 * k, 2 * k + 1], **m} for k, m in stages.items()]
+    table = stage_table(entries, ((0, 3), (1, 2)))
+    assert [c.header for c in table.columns] == ["stages", "ranks", "parameters"]
+    assert list(table.columns[0].cells) == ["0, 3", "1, 2"] and list(table.columns[2].cells) == ["3.00 MB", "2.00 MB"]
+
+
+def test_no_pipeline_no_placement():
+    assert AccelParallel().pipeline_stages is None  # before the processes start, and without a pipeline dimension
+
+
+class _OneStage(SingleDeviceStrategy):
+    """Lightning's own strategy plus the protocol: the monitor needs nothing of AccelParallel's."""
+
+    @property
+    def pipeline_stages(self) -> StagePlacement:
+        return StagePlacement(0, ((0, 1),))
+
+
+def test_any_strategy_with_the_protocol_gets_per_stage_figures(capsys):
+    monitor = MemoryMonitor()
+    trainer = pl.Trainer(strategy=_OneStage("cpu"), callbacks=[monitor], **small_trainer_kwargs(max_steps=1))
+    trainer.fit(PipeModel(), DataLoader(dataset(8), batch_size=8))
+    assert monitor.summary["stage0/params_mb"] == monitor.summary["params_mb"] == module_bytes(PipeModel()) / 1e6
+    assert monitor.report["config"]["pipeline_stages"] == [[0, 1]]
+    assert "memory per pipeline stage" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("stage", "error"), [(-1, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_a_bad_stage_label_is_refused(stage, error):
+    with pytest.raises(error, match=rf"MemoryMeter\(stage={stage!r}\): expected an int >= 0 or None\. Fix"):
+        MemoryMeter(stage=stage)
