@@ -9,8 +9,12 @@ after forward leaves the last stage without gradients. When a torch release fixe
 from __future__ import annotations
 
 import io
+import os
 import sys
+import tempfile
+import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -170,12 +174,18 @@ def test_torch_zero_bubble_loses_gradients_when_fsdp_reshards_after_forward():
 def _raw_zbv(rank: int, world: int) -> str | None:
     """torch's ZBV schedule alone on gloo, as rank 1 of 2 (it holds the adjacent stages 1 and 2 of the V).
 
-    Rank 1's first batch of sends includes one to itself; rank 0 stays out (it would wait for rank 1 forever). A torch
-    that fixed it makes rank 1 wait for rank 0 instead: the run then times out, and the pin fails too.
+    Rank 1's first batch of sends includes one to itself; rank 0 stays out (it would wait for rank 1 forever), but
+    alive until rank 1 is done: exiting earlier closes the connection and gloo reports that instead. A torch that fixed
+    it makes rank 1 wait for rank 0 instead: the run then ends with another error, and the pin fails too.
     """
     from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
+    done = Path(tempfile.gettempdir()) / f"raw-zbv-{os.environ['MASTER_PORT']}"
     if rank == 0:
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done.unlink(missing_ok=True)
         return None
     layers = [nn.Linear(4, 4) for _ in range(4)]
     stages = [PipelineStage(layers[i], i, 4, torch.device("cpu")) for i in (1, 2)]
@@ -184,6 +194,8 @@ def _raw_zbv(rank: int, world: int) -> str | None:
         schedule.step()
     except RuntimeError as err:
         return str(err)
+    finally:
+        done.touch()
     return "ran"
 
 
