@@ -96,6 +96,29 @@ def test_refused_before_the_first_step_with_a_fix(world, strategy_kwargs, expect
     assert all(result["printed"] == "" for result in results[1:])
 
 
+class _Evaluated(PipeModel):
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch[0])
+
+
+def _evaluate_under_a_pipeline(rank: int, world: int, loop: str) -> str:
+    trainer = pl.Trainer(strategy=AccelParallel(pipeline_parallel=2), **small_trainer_kwargs(devices=world))
+    try:
+        getattr(trainer, loop)(_Evaluated(), DataLoader(dataset(16), batch_size=8))
+    except ValueError as err:
+        return str(err)
+    return "ran"
+
+
+@pytest.mark.parametrize("loop", ["test", "predict"])
+def test_test_and_predict_under_a_pipeline_are_refused_before_any_batch(loop):
+    for error in run_distributed(_evaluate_under_a_pipeline, 2, loop, init_process_group=False):
+        assert f"cannot run trainer.{loop}() yet" in error and "Fix:" in error, error
+
+
 def test_too_few_micro_batches_warn_with_the_bubble():
     results = run_distributed(_fit_until_refused, 2, {"pipeline_parallel": 2, "schedule": "gpipe", "microbatches": 1},
                               init_process_group=False)  # fmt: skip

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_accel.strategies import _fsdp_sharding as sharding
@@ -108,6 +109,13 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
             f"{owner}(pipeline_parallel={layout.pipeline}) needs {type(module).__name__}.pipeline_loss(output, target)"
             " returning the mean loss of a micro-batch (the last stage computes it; training_step is not used)."
             " Fix: define pipeline_loss."
+        )
+    evaluating = module.trainer.state.fn
+    if layout.pipeline > 1 and evaluating in (TrainerFn.TESTING, TrainerFn.PREDICTING):
+        raise ValueError(
+            f"{owner}(pipeline_parallel={layout.pipeline}) cannot run trainer.{evaluating.value}() yet: the test and"
+            f" predict loops do not go through the pipeline schedule. Fix: run trainer.{evaluating.value}() in a"
+            " Trainer whose strategy has no pipeline dimension (AccelParallel(pipeline_parallel=1), AccelFSDP)."
         )
     if get_layer_sync(strategy) is not None:
         raise ValueError(
