@@ -132,7 +132,7 @@ class ExposedComm(Protocol):
 
 @runtime_checkable
 class CommTiming(Protocol):
-    """Optional, on a ``CommStats`` that times its collectives exactly only for a consumer that asks (it costs host time).
+    """Optional, on a ``CommStats`` that times its collectives exactly only when asked (it costs host time).
 
     A consumer that wants exact :meth:`CommStats.pop_elapsed_s` (and ``pop_exposed_s``) calls :meth:`request_timing`
     before the fit's first backward, e.g. in its ``on_train_start`` (``EfficiencyMonitor(exact_comm_timing=True)``
