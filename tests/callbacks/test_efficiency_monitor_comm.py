@@ -289,6 +289,7 @@ def _estimated_and_exact(rank: int, world: int) -> dict[str, dict]:
             expected[1] += (rounds - before) * max(0.0, sample[1] - sample[2])
         runs["exact" if exact else "estimated"] = {
             "comm_hook": recorder.comm_hook,
+            "sampled_at_last_pop": pops[-1][1][0],
             "expected": expected,
             "ranks": monitor.report["ranks"],
             "summary": monitor.summary,
@@ -305,6 +306,8 @@ def test_default_monitor_estimates_ddp_comm_time_from_ddps_own_samples_without_a
         estimated, exact = result["estimated"], result["exact"]
         assert estimated["comm_hook"] is None  # DDP's C++ all-reduce ran: no hook was ever registered
         assert exact["comm_hook"] == "accel_counting_hook(allreduce_hook)"
+        # AccelDDP had DDP sample every log_every_n_steps (4) rounds: after 16 rounds, round 12 (torch's rate: 10).
+        assert estimated["sampled_at_last_pop"] == 12
         # This rank's communication time and its exposed part, summed over the windows (rank 0's gathered report),
         # are the formula over DDP's own samples as this rank read them at each pop.
         row = runs[0]["estimated"]["ranks"][rank]
