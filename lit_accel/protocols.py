@@ -132,11 +132,12 @@ class ExposedComm(Protocol):
 
 @runtime_checkable
 class CommTiming(Protocol):
-    """Optional, on a ``CommStats`` that times its collectives only for a consumer that asks (timing costs host time).
+    """Optional, on a ``CommStats`` that times its collectives exactly only when asked (it costs host time).
 
-    A consumer of :meth:`CommStats.pop_elapsed_s` (or ``pop_exposed_s``) calls :meth:`request_timing` before the
-    fit's first backward, e.g. in its ``on_train_start`` (the ``EfficiencyMonitor`` does). Without a request the pops
-    may return 0.0; ``calls`` and ``bytes`` are counted either way.
+    A consumer that wants exact :meth:`CommStats.pop_elapsed_s` (and ``pop_exposed_s``) calls :meth:`request_timing`
+    before the fit's first backward, e.g. in its ``on_train_start`` (``EfficiencyMonitor(exact_comm_timing=True)``
+    does). Without a request the pops may return an estimate (AccelDDP: from DDP's sampled rounds) or 0.0; ``calls``
+    and ``bytes`` are counted either way.
     """
 
     def request_timing(self) -> None:

@@ -233,12 +233,14 @@ def test_both_monitors_as_trainer_callbacks_from_flags():
     callbacks = _cli([*QUIET, "--trainer.callbacks+=lit_accel.LossScaleMonitor",
                       "--trainer.callbacks.track_underflow=true", "--trainer.callbacks.skip_rate_threshold=0.2",
                       "--trainer.callbacks+=lit_accel.EfficiencyMonitor", "--trainer.callbacks.warmup_steps=5",
-                      "--trainer.callbacks.peak_flops=1e12", "--trainer.callbacks.log_key_prefix=eff/"]
+                      "--trainer.callbacks.peak_flops=1e12", "--trainer.callbacks.log_key_prefix=eff/",
+                      "--trainer.callbacks.exact_comm_timing=true"]
                      ).trainer.callbacks  # fmt: skip
     loss_scale = next(cb for cb in callbacks if isinstance(cb, LossScaleMonitor))
     efficiency = next(cb for cb in callbacks if isinstance(cb, EfficiencyMonitor))
     assert loss_scale.track_underflow and loss_scale.meter.skip_rate_threshold == 0.2
     assert (efficiency.warmup_steps, efficiency.peak_flops, efficiency.log_key_prefix) == (5, 1e12, "eff/")
+    assert efficiency.exact_comm_timing is True
 
 
 # ---------------------------------------------------------------------------------------------------- every class

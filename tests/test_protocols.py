@@ -171,12 +171,14 @@ class _TimedOnRequest(_Counter):
         self.requests += 1
 
 
-def test_comm_timing_is_optional_and_the_efficiency_meter_asks_for_it():
+def test_comm_timing_is_optional_and_the_efficiency_meter_asks_for_it_only_with_exact_comm_timing():
     from lit_accel import EfficiencyMeter
     from lit_accel.strategies._comm_stats import HookCommStats
 
     assert isinstance(HookCommStats(), CommTiming) and not isinstance(_Counter(), CommTiming)
     counter = _TimedOnRequest()
-    EfficiencyMeter("cpu", world_size=1, comm_stats=counter)
-    EfficiencyMeter("cpu", world_size=1, comm_stats=_Counter())  # a CommStats without it is fine
+    EfficiencyMeter("cpu", world_size=1, comm_stats=counter)  # by default the strategy's own (cheaper) timing
+    assert counter.requests == 0
+    EfficiencyMeter("cpu", world_size=1, comm_stats=counter, exact_comm_timing=True)
+    EfficiencyMeter("cpu", world_size=1, comm_stats=_Counter(), exact_comm_timing=True)  # without it is fine
     assert counter.requests == 1

@@ -25,7 +25,7 @@ from lit_accel.protocols import CommStatsProvider, PipelineBubbleStats
 from lit_accel.utilities._compat import batches_that_stepped
 from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._peak_flops import PeakLookup, cuda_device_facts, lookup_peaks, matmul_precision
-from lit_accel.utilities._validation import check_int, check_number
+from lit_accel.utilities._validation import check_bool, check_int, check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -57,6 +57,10 @@ class EfficiencyMonitor(Callback):
         baseline_samples_per_sec: throughput of a one-device run, enabling ``scaling_efficiency``.
         straggler_threshold, straggler_windows: name a rank whose own time exceeds the others' median by more than
             this share; warn after this many windows in a row. max_recompiles: warn above this many recompilations.
+        exact_comm_timing: time every gradient collective (AccelDDP: a Python comm hook per bucket, which costs host
+            time every step) instead of estimating ``comm_time_frac``/``comm_exposed_frac`` from the rounds DDP times
+            itself every ``log_every_n_steps`` (``docs/monitors.md``). Strategies that always time (AccelFSDP,
+            AccelParallel, a user's comm hook) are unaffected.
         report_path: where rank 0 writes the JSON report (``None``: no file). print_summary: print the table.
         log_key_prefix: prefix of every key. clock: host clock in seconds (injectable for tests).
 
@@ -84,6 +88,7 @@ class EfficiencyMonitor(Callback):
         straggler_threshold: float = 0.2,
         straggler_windows: int = 3,
         max_recompiles: int | None = 8,
+        exact_comm_timing: bool = False,
         report_path: str | os.PathLike[str] | None = None,
         print_summary: bool = True,
         log_key_prefix: str = "perf/",
@@ -103,6 +108,8 @@ class EfficiencyMonitor(Callback):
         check_int(name, "max_recompiles", max_recompiles, minimum=0, allow_none=True, example=8)
         self.straggler_threshold, self.straggler_windows = float(straggler_threshold), straggler_windows
         self.max_recompiles = max_recompiles
+        check_bool(name, "exact_comm_timing", exact_comm_timing)
+        self.exact_comm_timing = exact_comm_timing
         for name, fn in (("batch_size_fn", batch_size_fn), ("items_fn", items_fn), ("clock", clock)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"EfficiencyMonitor({name}={fn!r}): expected a callable or None.")
@@ -182,6 +189,7 @@ class EfficiencyMonitor(Callback):
             precision=self._precision,
             baseline_samples_per_sec=self.baseline_samples_per_sec,
             comm_stats=strategy.comm_stats if isinstance(strategy, CommStatsProvider) else None,
+            exact_comm_timing=self.exact_comm_timing,
             straggler_threshold=self.straggler_threshold,
             straggler_windows=self.straggler_windows,
             max_recompiles=self.max_recompiles,

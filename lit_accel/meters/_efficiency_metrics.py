@@ -8,17 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from lit_accel.meters._stragglers import straggler_metrics
+from lit_accel.protocols import BusBytes
 from lit_accel.utilities._peak_flops import ideal_seconds, mfu
 from lit_accel.utilities._validation import check_number
+
+if TYPE_CHECKING:
+    from lit_accel.protocols import CommStats
 
 __all__ = [
     "EfficiencyConfig",
     "MfuIssue",
     "RankWindow",
     "checked_peak_flops",
+    "comm_totals",
     "dtype_shares",
     "pipeline_metrics",
     "window_metrics",
@@ -112,6 +117,14 @@ def _mfu(rows: list[RankWindow], window_s: float, config: EfficiencyConfig) -> t
         return estimate.value, None
     too_high = ideal_seconds(by_dtype, peaks).value is not None  # known peaks, but above 100%
     return None, MfuIssue(estimate.reason, too_high) if total > 0 else None
+
+
+def comm_totals(comm_stats: CommStats, n: int) -> tuple[float, float]:
+    """Cumulative payload bytes and ring ("bus") bytes of a strategy's collectives (all-reduces unless it says)."""
+    total = float(comm_stats.bytes)
+    if isinstance(comm_stats, BusBytes):
+        return total, float(comm_stats.bus_bytes(n))
+    return total, total * 2 * (n - 1) / n if n > 1 else 0.0
 
 
 def window_metrics(

@@ -19,12 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lit_accel.meters._efficiency_metrics import EfficiencyConfig, RankWindow, checked_peak_flops, window_metrics
+from lit_accel.meters._efficiency_metrics import (
+    EfficiencyConfig,
+    RankWindow,
+    checked_peak_flops,
+    comm_totals,
+    window_metrics,
+)
 from lit_accel.meters._stragglers import StragglerWatch, gather_hostnames
-from lit_accel.protocols import BusBytes, CommTiming, ExposedComm, PipelineBubbleStats
+from lit_accel.protocols import CommTiming, ExposedComm, PipelineBubbleStats
 from lit_accel.utilities._compat import all_gather_flat, dynamo_compile_counts
 from lit_accel.utilities._timing import IntervalTimer, synchronize
-from lit_accel.utilities._validation import check_int, check_number
+from lit_accel.utilities._validation import check_bool, check_int, check_number
 from lit_accel.utilities._warnings import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -74,8 +80,9 @@ class EfficiencyMeter:
         peak_flops: dense peak FLOP/s of one device (or a dict by dtype key, e.g. ``{"bf16": ..., "fp32": ...}``).
         precision: the dtype key of FLOPs given without a split by dtype (``"bf16"``, ``"fp32"``, ...).
         baseline_samples_per_sec: one device's throughput, enabling ``scaling_efficiency``.
-        comm_stats: the strategy's collective counters (:class:`lit_accel.protocols.CommStats`), or ``None``; asked
-            to time its collectives (``CommTiming``): build the meter before the fit's first backward.
+        comm_stats: the strategy's collective counters (:class:`lit_accel.protocols.CommStats`), or ``None``.
+        exact_comm_timing: ask ``comm_stats`` to time every collective (``CommTiming``; before the first backward)
+            rather than estimate (AccelDDP: a Python hook per bucket, host time each step, not DDP's sampled rounds).
         straggler_threshold: a rank is named when its own time exceeds the others' median by more than this share.
         straggler_windows: consecutive windows naming the same rank before the warning.
         max_recompiles: torch.compile recompilations after the warm-up before a warning (``None``: never).
@@ -107,6 +114,7 @@ class EfficiencyMeter:
         precision: str = "fp32",
         baseline_samples_per_sec: float | None = None,
         comm_stats: CommStats | None = None,
+        exact_comm_timing: bool = False,
         straggler_threshold: float = 0.2,
         straggler_windows: int = 3,
         max_recompiles: int | None = 8,
@@ -135,12 +143,11 @@ class EfficiencyMeter:
             straggler_threshold=float(straggler_threshold),
         )
         self.comm_stats = comm_stats
-        if isinstance(comm_stats, CommTiming):
-            comm_stats.request_timing()  # communication time is part of every window (AccelDDP: its timing hook)
+        check_bool(name, "exact_comm_timing", exact_comm_timing)
+        if exact_comm_timing and isinstance(comm_stats, CommTiming):
+            comm_stats.request_timing()  # AccelDDP: its timing hook, instead of DDP's sampled rounds
         self.count_items = False
-        self._clock = clock
-        self._warn = warn
-        self._info = info
+        self._clock, self._warn, self._info = clock, warn, info
         self._forward = IntervalTimer(self.device, clock)
         self._backward = IntervalTimer(self.device, clock)
         self._progress = _Progress()
@@ -266,7 +273,7 @@ class EfficiencyMeter:
         p.window_start, p.paused_in_window, p.window = now, 0.0, RankWindow()
         p.recompiles_at_warm = dynamo_compile_counts()[1]
         if self.comm_stats is not None:
-            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = self._comm_totals()
+            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = comm_totals(self.comm_stats, self.world_size)
             self.comm_stats.pop_elapsed_s()  # drop the warm-up collectives
             if isinstance(self.comm_stats, ExposedComm):
                 self.comm_stats.pop_exposed_s()
@@ -306,7 +313,7 @@ class EfficiencyMeter:
             w.peak_memory_bytes = float(torch.cuda.max_memory_allocated(self.device))
         w.flops = (self.config.flops_per_sample or 0.0) * w.samples
         if self.comm_stats is not None:
-            total, bus = self._comm_totals()
+            total, bus = comm_totals(self.comm_stats, self.world_size)
             w.comm_bytes, w.comm_bus_bytes = total - p.comm_bytes_at_start, bus - p.comm_bus_bytes_at_start
             p.comm_bytes_at_start, p.comm_bus_bytes_at_start = total, bus
             w.comm_s = float(self.comm_stats.pop_elapsed_s())
@@ -337,14 +344,6 @@ class EfficiencyMeter:
         summary = self._metrics(self._totals, self._total_window_s)
         summary["measured_steps"] = self._totals[0].steps
         return summary
-
-    def _comm_totals(self) -> tuple[float, float]:
-        """Cumulative payload bytes and ring ("bus") bytes of the strategy's collectives (all-reduce unless told)."""
-        assert self.comm_stats is not None
-        total, n = float(self.comm_stats.bytes), self.world_size
-        if isinstance(self.comm_stats, BusBytes):
-            return total, float(self.comm_stats.bus_bytes(n))
-        return total, total * 2 * (n - 1) / n if n > 1 else 0.0
 
     def _gather(self, window: RankWindow, dtype: torch.dtype) -> list[RankWindow]:
         # One path for any world size: the window as one small device tensor, gathered when there are peers.

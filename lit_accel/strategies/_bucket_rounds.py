@@ -12,13 +12,18 @@ hook's rule: one round per synchronised backward, in which DDP all-reduces every
 * Sizes come from DDP's logging data, read when the counters are read (logging steps): the construction layout at
   once, the rebuilt one from the synchronised forward after the rebuild on. A read before that (only a reader at the
   rebuild's own step) takes it from the reducer's buckets, which allocates a zeroed copy of the gradients, once.
+* Time is estimated from the rounds DDP's reducer times itself (in C++, every ``sample_rate``-th synchronised
+  iteration; AccelDDP sets the rate to the Trainer's ``log_every_n_steps``): the rounds since the previous pop, each
+  as long as the latest sampled one. A round's communication lasts from its first bucket's launch to the end of
+  ``finalize_backward``; its exposed part is that minus its overlap with the backward's compute (from the launch to
+  the end of the compute): the time from the end of the compute to the last bucket's completion, as the hook measures.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lit_accel.utilities._compat import ddp_bucket_sizes
+from lit_accel.utilities._compat import ddp_bucket_sizes, ddp_sampled_round
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -43,6 +48,7 @@ class BucketRounds:
         self._rounds = 0
         #: Rounds not folded into totals yet, with the construction layout and with the rebuilt one.
         self.pending = [0, 0]
+        self._popped = [0, 0]  # rounds at the previous pop of the elapsed and of the exposed time
 
     def count(self) -> None:
         """One synchronised backward finished (its buckets all-reduced)."""
@@ -59,6 +65,19 @@ class BucketRounds:
                 calls, nbytes = calls + rounds * len(sizes), nbytes + rounds * sum(sizes)
         self.pending = [0, 0]
         return calls, nbytes
+
+    def pop_sampled_s(self, exposed: bool = False) -> float:
+        """Seconds of communication (``exposed``: of it not hidden by the backward) in the rounds since the last pop.
+
+        Estimated from DDP's latest sampled round (0.0 before its first sample, or once the model is released). Reads
+        DDP's logging data: call it at logging steps only.
+        """
+        rounds, self._popped[exposed] = self._rounds - self._popped[exposed], self._rounds
+        sample = ddp_sampled_round(self._ddp) if rounds and self._ddp is not None else None
+        if sample is None:
+            return 0.0
+        _, comm_s, overlap_s = sample
+        return rounds * (max(0.0, comm_s - overlap_s) if exposed else comm_s)
 
     def release(self) -> tuple[int, int]:
         """Fold the pending rounds and drop the model (the fit ends, or a comm hook counts from now on)."""

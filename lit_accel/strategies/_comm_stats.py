@@ -2,10 +2,11 @@
 
 :class:`HookCommStats` holds AccelDDP's one counting rule: one round per synchronised backward, in which DDP
 all-reduces every bucket once. A counting comm hook (a comm hook of the user's, or torch's all-reduce once a consumer
-asked for timing with :meth:`HookCommStats.request_timing`) counts and times every bucket it reduces (counting costs no
-device synchronisation; timing is resolved only in ``pop_elapsed_s``/``pop_exposed_s``); without a hook the strategy
-counts the rounds and the layout gives the buckets (``_bucket_rounds.BucketRounds``, folded in when the counters are
-read). AccelFSDP's ``FSDPCommStats`` extends it. It satisfies :class:`lit_accel.protocols.ExposedComm` too:
+asked for exact timing with :meth:`HookCommStats.request_timing`) counts and times every bucket it reduces (counting
+costs no device synchronisation; timing is resolved only in ``pop_elapsed_s``/``pop_exposed_s``); without a hook the
+strategy counts the rounds, the layout gives the buckets and DDP's own sampled rounds the time
+(``_bucket_rounds.BucketRounds``, read when the counters are). AccelFSDP's ``FSDPCommStats`` extends it. It satisfies
+:class:`lit_accel.protocols.ExposedComm` too:
 ``pop_exposed_s`` is the time from the end of a backward's compute to the completion of its last gradient collective,
 the part of the communication that overlap did not hide (with slower peers, the wait for them). The hook marks the end
 of the compute with a callback queued on the backward pass at its first bucket, which the autograd engine runs before
@@ -107,10 +108,10 @@ class HookCommStats(_Totals):
         self._bytes = value
 
     def request_timing(self) -> None:
-        """Time the collectives (``pop_elapsed_s``, ``pop_exposed_s``): ask before the fit's first backward.
+        """Time every collective exactly (``pop_elapsed_s``, ``pop_exposed_s``): ask before the fit's first backward.
 
         AccelDDP decides in its ``on_train_start`` (after the callbacks'): without a request its default all-reduce
-        runs with no Python hook, counted but not timed (the pops return 0.0). :class:`lit_accel.protocols.CommTiming`.
+        runs with no Python hook, counted exactly and timed by estimate from DDP's sampled rounds (``BucketRounds``).
         """
         self.timing_requested = True
 
@@ -138,7 +139,8 @@ class HookCommStats(_Totals):
         Overlapping collectives (several buckets in flight at once) are counted once: this is the union of their
         intervals, so it never exceeds wall-clock time. On CUDA the interval runs from the moment DDP hands the
         bucket to the hook (an event on the current stream) to the completion of the collective's future, and
-        this call waits for those events: call it at logging steps only.
+        this call waits for those events: call it at logging steps only. Rounds counted without a hook add an
+        estimate (``BucketRounds.pop_sampled_s``).
         """
         with self._lock:
             cpu, self._cpu_intervals = self._cpu_intervals, []
@@ -147,7 +149,8 @@ class HookCommStats(_Totals):
         for start, end in cuda:
             start.synchronize()
             end.synchronize()
-        return elapsed + _union_length(cpu) + _union_length(_cuda_spans(cuda))
+        sampled = self.bucket_rounds.pop_sampled_s() if self.bucket_rounds is not None else 0.0
+        return sampled + elapsed + _union_length(cpu) + _union_length(_cuda_spans(cuda))
 
     def pop_exposed_s(self) -> float:
         """Seconds this rank waited for its gradient collectives after its backward's compute ended, since the last pop.
@@ -156,12 +159,14 @@ class HookCommStats(_Totals):
         pass, which the autograd engine runs after the last backward op and before DDP's ``finalize_backward``) to the
         completion of its last collective, or 0 when every collective finished before the compute did (fully
         hidden). A bucket handed over outside a backward pass counts from its hand-off. Call at logging steps only.
+        Rounds counted without a hook add an estimate (``BucketRounds.pop_sampled_s``).
         """
         with self._lock:
             done = [r for r in self._rounds if r is not self._open_round]
             self._rounds = [r for r in self._rounds if r is self._open_round]
             exposed, self._folded_exposed_s = self._folded_exposed_s, 0.0
-        return exposed + sum(r.exposed_s() for r in done)
+        sampled = self.bucket_rounds.pop_sampled_s(exposed=True) if self.bucket_rounds is not None else 0.0
+        return sampled + exposed + sum(r.exposed_s() for r in done)
 
     def start(self, device: torch.device) -> Any:
         """Now, for a collective launched now (a host clock reading, or a CUDA event)."""

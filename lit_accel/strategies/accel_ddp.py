@@ -20,6 +20,7 @@ from lit_accel.strategies._bucket_rounds import BucketRounds
 from lit_accel.strategies._comm_stats import HookCommStats
 from lit_accel.strategies._ddp_hooks import CommHook, CommHookName, counting_comm_hook, resolve_comm_hook, validate_comm
 from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
+from lit_accel.utilities._compat import set_ddp_sample_rate
 from lit_accel.utilities._validation import check_bool, check_choice, check_number
 from lit_accel.utilities._workarounds import check_static_graph_accumulation
 
@@ -75,7 +76,7 @@ class AccelDDP(DDPStrategy):
             ``None``: the watchdog only reports a stall (after 300 s, once per stall) and never ends the job.
         compile: ``True`` or ``torch.compile``'s arguments: each block compiled before DDP wraps the model.
         comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, a callable ``hook(state, bucket)``, or ``None`` (DDP's
-            all-reduce; torch's hook once a consumer asks for timing). A hook is wrapped to count and time buckets.
+            all-reduce; torch's hook once asked for exact timing). A hook is wrapped to count and time buckets.
         comm_state: the hook's state (a ``PowerSGDState``, ``PostLocalSGDState``, ...; default: DDP's group).
         comm_wrapper: a hook wrapper such as ``default_hooks.fp16_compress_wrapper``.
         gradient_as_bucket_view: let gradients alias DDP's buckets (one gradient-sized copy less; torch's default: no).
@@ -157,7 +158,7 @@ class AccelDDP(DDPStrategy):
 
     @property
     def comm_stats(self) -> CommStats:
-        """All-reduce counters for the ``EfficiencyMonitor``: every bucket counted, timed on request."""
+        """All-reduce counters for the ``EfficiencyMonitor``: every bucket counted, timed by DDP's samples or a hook."""
         return self._comm_stats
 
     @override
@@ -183,6 +184,10 @@ class AccelDDP(DDPStrategy):
         stats.release_rounds()  # a model of an earlier fit
         if self._comm_hook is None and self._comm_wrapper is None:
             stats.bucket_rounds = BucketRounds(self.model)  # DDP's C++ all-reduce; on_train_start may add the hook
+            # DDP times a round in C++ every this many rounds: a fresh sample for each logging window's estimate (on
+            # CUDA, one host sync per sample instead of per 100 rounds; docs/strategies.md).
+            trainer = self.parts.trainer
+            set_ddp_sample_rate(self.model, max(1, trainer.log_every_n_steps) if trainer is not None else 100)
         else:
             self._register_counting_hook()
 
@@ -199,8 +204,8 @@ class AccelDDP(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # After the callbacks' on_train_start, before the first training backward: a consumer that asked for timing
-        # (the EfficiencyMonitor) gets the timing hook; otherwise no Python runs per bucket.
+        # After the callbacks' on_train_start, before the first training backward: a consumer that asked for exact
+        # timing (EfficiencyMonitor(exact_comm_timing=True)) gets the timing hook; otherwise no Python runs per bucket.
         if self._comm_stats.bucket_rounds is not None and self._comm_stats.timing_requested:
             self._register_counting_hook()
 

@@ -201,10 +201,7 @@ def clear_finished_epoch_restart(trainer: object) -> bool:
     batch completed (``epoch_progress``/``batch_progress`` counters); a state that is not (mid-epoch,
     mid-validation, saved at ``on_train_batch_end``) is left alone. The base setter clears this loop and its
     children, as loading with ``max_epochs`` does; ``_loaded_from_state_dict`` stays set, so ``FitLoop.reset()``
-    still completes the saved epoch. Used by ``_workarounds.resume_finished_epoch``.
-
-    Returns:
-        True when the flag was cleared.
+    still completes the saved epoch. Used by ``_workarounds.resume_finished_epoch``. True when the flag was cleared.
     """
     from lightning.pytorch.loops.loop import _Loop
 
@@ -294,21 +291,28 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
 # --- DDP's built-in logging, read by AccelDDP's hookless comm stats (tests: tests/utilities/test_compat_strategies.py)
 
 
-#: How often (in synchronised iterations) AccelDDP asks DDP to sample its runtime statistics when logging is off;
-#: torch's own default (``kDDPRuntimeLoggingSampleRate`` in ``c10d/reducer.hpp``).
 def ddp_logging_data(ddp: object) -> dict[str, int | str]:
-    """``DistributedDataParallel._get_ddp_logging_data()``: DDP's own construction and runtime statistics.
+    """``DistributedDataParallel._get_ddp_logging_data()``: DDP's own construction and runtime statistics (torch 2.14).
 
-    The keys lit_accel reads (torch 2.14; written by ``c10d::Logger``): ``bucket_sizes`` (bytes per bucket of the
-    layout built at construction, ``"a, b, ..."``), ``rebuilt_bucket_sizes`` (the layout after DDP rebuilt its
-    buckets in gradient-ready order; present from the third synchronised forward, absent with
-    ``find_unused_parameters=True``), ``iteration`` (the synchronised iteration of the latest sample) and
-    ``backward_comm_time`` / ``avg_backward_comm_time`` (ns from the first bucket's all-reduce launch to the end of
-    ``finalize_backward`` in the latest sampled iteration / averaged over all samples). ``comm_hook`` is present only
-    when a comm hook is registered. The runtime fields of iteration ``n`` are set at the start of the next synchronised
-    forward; copying the maps costs tens of microseconds, so call this at logging steps only.
+    Read here: ``bucket_sizes`` (bytes per bucket, ``"a, b, ..."``), ``rebuilt_bucket_sizes`` (in gradient-ready order,
+    from the third synchronised forward), ``comm_hook`` (with a hook), :func:`ddp_sampled_round`'s. Logging steps only.
     """
     return ddp._get_ddp_logging_data()  # type: ignore[attr-defined]
+
+
+def set_ddp_sample_rate(ddp: object, every: int) -> None:
+    """Let DDP time every ``every``-th synchronised iteration and the first ten (torch's default: every 100th)."""
+    ddp._set_ddp_runtime_logging_sample_rate(every)  # type: ignore[attr-defined]
+
+
+def ddp_sampled_round(ddp: object) -> tuple[int, float, float] | None:
+    """``(iteration, comm_s, overlap_s)`` of DDP's latest sampled synchronised backward (published at the next one).
+
+    ``backward_comm_time``: from the first bucket's collective launch to the end of ``finalize_backward`` (which waits
+    for every bucket); ``backward_compute_comm_overlap_time``: from that launch to the end of the backward's compute.
+    """
+    data, keys = ddp_logging_data(ddp), ("iteration", "backward_comm_time", "backward_compute_comm_overlap_time")
+    return (int(data[keys[0]]), int(data[keys[1]]) / 1e9, int(data[keys[2]]) / 1e9) if keys[1] in data else None
 
 
 def ddp_bucket_sizes(ddp: Any, rebuilt: bool) -> tuple[int, ...] | None:

@@ -285,6 +285,7 @@ def test_per_step_hooks_do_no_tensor_work_outside_logging_steps():
         ({"baseline_samples_per_sec": -1}, ValueError, r"baseline_samples_per_sec=-1\).*one-device run"),
         ({"batch_size_fn": 4}, TypeError, r"batch_size_fn=4\): expected a callable"),
         ({"items_fn": "tokens"}, TypeError, r"items_fn='tokens'\): expected a callable"),
+        ({"exact_comm_timing": "yes"}, TypeError, r"exact_comm_timing='yes'\): expected True or False\. Fix"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_fix(kwargs, error, match):

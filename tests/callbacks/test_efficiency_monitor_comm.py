@@ -7,6 +7,7 @@ one rank whose backward or training step sleeps. Time is wall-clock on a loaded 
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -250,3 +251,74 @@ def test_the_per_bucket_bookkeeping_does_no_tensor_work_and_counts_from_the_end_
     # Round 1 ended its compute long before (> 10 ms exposed); round 2 >= 10 ms but not its 20 ms of compute.
     assert 0.02 <= exposed < 0.2, exposed
     assert stats.pop_exposed_s() == 0.0  # popped
+
+
+class _SampledRounds(pl.Callback):
+    """After every batch, before the monitor's hook: the rounds counted and DDP's latest sample, as pops see them."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, Any]] = []
+        self.comm_hook: object = "not read"
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        from lit_accel.utilities._compat import ddp_sampled_round
+
+        self.reads.append((trainer.strategy.comm_stats.rounds, ddp_sampled_round(trainer.strategy.model)))
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        from lit_accel.utilities._compat import ddp_logging_data
+
+        self.comm_hook = ddp_logging_data(trainer.strategy.model).get("comm_hook")  # DDP names a registered hook
+
+
+def _estimated_and_exact(rank: int, world: int) -> dict[str, dict]:
+    runs = {}
+    for exact in (False, True):
+        recorder, logger = _SampledRounds(), CaptureLogger()
+        monitor = EfficiencyMonitor(warmup_steps=2, count_flops=False, print_summary=False, exact_comm_timing=exact)
+        kwargs = dict(max_steps=STEPS, log_every_n_steps=EVERY, use_distributed_sampler=False, logger=logger)
+        trainer = pl.Trainer(**small_trainer_kwargs(devices=world, strategy=AccelDDP(sync_batchnorm=False), **kwargs,
+                                                    callbacks=[recorder, monitor]))  # fmt: skip
+        model = _Model()
+        trainer.fit(model, make_loader(make_dataset(4 * STEPS * world), 4, rank, world))
+        # The pops: when the window opens (the end of the warm-up, step 1), then at each logging step.
+        pops = [recorder.reads[step] for step in (1, *range(EVERY - 1, STEPS, EVERY))]
+        expected = [0.0, 0.0]  # this rank's comm and exposed seconds: rounds since the last pop x the latest sample
+        for (before, _), (rounds, sample) in itertools.pairwise(pops):
+            expected[0] += (rounds - before) * sample[1]
+            expected[1] += (rounds - before) * max(0.0, sample[1] - sample[2])
+        runs["exact" if exact else "estimated"] = {
+            "comm_hook": recorder.comm_hook,
+            "sampled_at_last_pop": pops[-1][1][0],
+            "expected": expected,
+            "ranks": monitor.report["ranks"],
+            "summary": monitor.summary,
+            "perf": [m for _, m in logger.with_prefix("perf/")],
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
+    return runs
+
+
+def test_default_monitor_estimates_ddp_comm_time_from_ddps_own_samples_without_a_hook():
+    """No Python comm hook by default: the bytes exact, the time DDP's sampled rounds; the hook only when asked."""
+    runs = run_distributed(_estimated_and_exact, 2, init_process_group=False, timeout=180)
+    for rank, result in enumerate(runs):
+        estimated, exact = result["estimated"], result["exact"]
+        assert estimated["comm_hook"] is None  # DDP's C++ all-reduce ran: no hook was ever registered
+        assert exact["comm_hook"] == "accel_counting_hook(allreduce_hook)"
+        # AccelDDP had DDP sample every log_every_n_steps (4) rounds: after 16 rounds, round 12 (torch's rate: 10).
+        assert estimated["sampled_at_last_pop"] == 12
+        # This rank's communication time and its exposed part, summed over the windows (rank 0's gathered report),
+        # are the formula over DDP's own samples as this rank read them at each pop.
+        row = runs[0]["estimated"]["ranks"][rank]
+        assert row["comm_s"] == pytest.approx(estimated["expected"][0], rel=1e-9) and row["comm_s"] > 0
+        assert row["comm_exposed_s"] == pytest.approx(estimated["expected"][1], rel=1e-9)
+    estimated, exact = runs[0]["estimated"], runs[0]["exact"]
+    rows = estimated["ranks"]
+    frac = sum(r["comm_s"] / r["window_s"] for r in rows) / len(rows)
+    assert estimated["summary"]["comm_time_frac"] == pytest.approx(frac, rel=1e-9)
+    for result in (estimated, exact):  # logged at every logging step; the bytes the same exact count either way
+        assert len(result["perf"]) == LOGGED
+        for metrics in result["perf"]:
+            assert metrics["perf/comm_gb_per_step"] * 1e9 == pytest.approx(result["grad_bytes"], rel=1e-9)
+            assert 0.0 < metrics["perf/comm_time_frac"] < 1.0

@@ -23,7 +23,7 @@ from lit_accel import AccelDDP, AccelSyncBatchNorm
 from lit_accel.protocols import CommStats
 from lit_accel.strategies._comm_stats import HookCommStats
 from lit_accel.strategies._ddp_hooks import resolve_comm_hook
-from lit_accel.utilities._compat import ddp_logging_data
+from lit_accel.utilities._compat import ddp_logging_data, ddp_sampled_round
 from tests.helpers import (
     BNModel,
     lightning_info_messages,
@@ -431,7 +431,7 @@ def test_comm_stats_count_collectives_and_bytes_per_hook(hook_runs):
             assert _per_step(ranks[hook]["calls"]) == calls, hook
             assert _per_step(ranks[hook]["bytes"]) == nbytes, hook
             elapsed, elapsed_again = ranks[hook]["elapsed"]
-            if hook == "default":  # nobody asked for timing: nothing timed, nothing run per bucket
+            if hook == "default":  # no hook; after the fit its model is released: no rounds left to estimate
                 assert (elapsed, elapsed_again) == (0.0, 0.0)
             else:
                 assert elapsed > 0.0 and elapsed_again == 0.0
@@ -499,6 +499,7 @@ class _CounterRecorder(pl.Callback):
         self.bytes: list[int] = []
         self.pops: list[float] = []
         self.rounds: list[int] = []
+        self.samples: list[Any] = []
         self.step_s: list[float] = []
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -515,6 +516,7 @@ class _CounterRecorder(pl.Callback):
         self.bytes.append(stats.bytes)
         if self.pop:
             self.rounds.append(stats.rounds)
+            self.samples.append(ddp_sampled_round(trainer.strategy.model))  # what the default's pop reads
             self.pops.append(stats.pop_elapsed_s())
 
 
@@ -537,6 +539,7 @@ def _counter_run(rank: int, world_size: int, manual: bool, mode: str) -> dict[st
         "bytes": recorder.bytes,
         "pops": recorder.pops,
         "rounds": recorder.rounds,
+        "samples": recorder.samples,
         "step_s": recorder.step_s,
         "hook_calls": hook.calls if hook is not None else None,
         "final": (strategy.comm_stats.calls, strategy.comm_stats.bytes),
@@ -580,7 +583,7 @@ def test_default_counters_equal_the_counted_all_reduces_with_one_round_per_synch
                 assert default["rounds"] == [rounds_per_step * (step + 1) for step in range(6)], (optimization, mode)
 
 
-def test_default_elapsed_time_is_measured_inside_each_step_once_asked_for(counter_runs):
+def test_default_elapsed_time_is_measured_inside_each_step_once_asked_for_and_estimated_otherwise(counter_runs):
     for ranks in counter_runs:
         for optimization in ("automatic", "manual"):
             run = ranks[f"{optimization}-timed"]
@@ -588,7 +591,12 @@ def test_default_elapsed_time_is_measured_inside_each_step_once_asked_for(counte
             for step, pop in enumerate(run["pops"]):
                 # the all-reduces of this step, timed by the hook: some time, never more than the step took
                 assert 0.0 < pop <= run["step_s"][step], (optimization, step)
-            assert ranks[f"{optimization}-default"]["pops"] == [0.0] * 6  # nobody asked: no hook, nothing timed
+            # Nobody asked: no hook, the rounds since the last pop x DDP's latest sampled round (none in a fit's first
+            # step: DDP publishes a round at the next synchronised forward).
+            default = ranks[f"{optimization}-default"]
+            rounds = _per_step(default["rounds"])
+            expected = [n * sample[1] if sample else 0.0 for n, sample in zip(rounds, default["samples"])]
+            assert default["pops"] == expected and expected.count(0.0) == 2, optimization  # the two fits' first
 
 
 # ----------------------------------------------------------------------------------------------------------------

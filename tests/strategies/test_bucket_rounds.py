@@ -78,3 +78,41 @@ def test_rounds_and_layout_count_what_a_hook_sees(counts, setting):
     else:  # rebuilt before round 2, or round 3 under static_graph: the layout really changes
         first_rebuilt = 2 if setting == "static_graph" else 1
         assert per_round[first_rebuilt] != per_round[0] and len(set(per_round[first_rebuilt:])) == 1
+
+
+def _sampled_pops(rank: int, world_size: int) -> list[dict[str, Any]]:
+    from lit_accel.utilities._compat import ddp_sampled_round, set_ddp_sample_rate
+
+    ddp = DistributedDataParallel(_net(), bucket_cap_mb=1e-4)
+    set_ddp_sample_rate(ddp, 3)
+    stats = HookCommStats()
+    stats.bucket_rounds = BucketRounds(ddp)
+    reads = []
+    for rounds in (1, 4, 0, 2, 5):  # rounds between pops (the first pop comes before DDP published any sample)
+        for _ in range(rounds):
+            with ddp.no_sync():  # not a round
+                ddp(torch.randn(4, 8)).sum().backward()
+            ddp(torch.randn(4, 8)).sum().backward()
+            if ddp.require_forward_param_sync:  # as AccelDDP.backward does
+                stats.count_round()
+        sample = ddp_sampled_round(ddp)  # the latest sampled round, read as the pops will
+        reads.append({"rounds": rounds, "sample": sample, "pops": (stats.pop_elapsed_s(), stats.pop_exposed_s())})
+    stats.release_rounds()  # the fit ends: the model is dropped, nothing more to estimate
+    ddp(torch.randn(4, 8)).sum().backward()
+    reads.append({"after_release": (stats.pop_elapsed_s(), stats.pop_exposed_s())})
+    return reads
+
+
+def test_hookless_pops_are_the_rounds_since_the_last_pop_times_ddps_latest_sampled_round():
+    for reads in run_distributed(_sampled_pops, 2, timeout=60):
+        first, *timed, released = reads
+        assert first["sample"] is None and first["pops"] == (0.0, 0.0)  # iteration 1 publishes at the next forward
+        for read in timed:
+            _, comm_s, overlap_s = read["sample"]
+            assert comm_s > 0.0
+            elapsed, exposed = read["pops"]
+            assert elapsed == read["rounds"] * comm_s
+            assert exposed == read["rounds"] * max(0.0, comm_s - overlap_s)
+        # After k rounds DDP has published round k - 1 (at round k's forward): every round up to 10, then every 3rd.
+        assert [read["sample"][0] for read in timed] == [4, 4, 6, 10]  # (rounds 5, 5, 7, 12)
+        assert released["after_release"] == (0.0, 0.0)

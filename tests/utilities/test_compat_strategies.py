@@ -75,3 +75,39 @@ def test_ddp_bucket_sizes_of_the_built_and_the_rebuilt_layout():
         assert sizes["built"] == (grads,)  # the first bucket holds up to 1 MiB
         assert sizes["from_reducer"] == sizes["published"] and len(sizes["published"]) > 1
         assert sum(sizes["published"]) == grads
+
+
+def _sampled_rounds(rank: int, world_size: int) -> dict[str, object]:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lit_accel.utilities._compat import ddp_logging_data, ddp_sampled_round, set_ddp_sample_rate
+
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), bucket_cap_mb=1e-4)
+    set_ddp_sample_rate(ddp, 4)
+    iterations, samples, raw = [], [], []
+    for _ in range(14):
+        ddp(torch.randn(4, 8)).sum().backward()
+        with ddp.no_sync():  # not a synchronised iteration: DDP neither counts nor times it
+            ddp(torch.randn(4, 8)).sum().backward()
+        sample = ddp_sampled_round(ddp)
+        iterations.append(None if sample is None else sample[0])
+        samples.append(sample)
+        data = ddp_logging_data(ddp)
+        raw.append(None if sample is None else (data["backward_comm_time_end"], data["backward_compute_time_end"]))
+    return {"iterations": iterations, "samples": samples, "raw": raw}
+
+
+def test_ddp_samples_rounds_at_the_rate_set_and_their_exposed_part_is_comm_end_minus_compute_end():
+    """AccelDDP's hookless timing reads DDP's sampled rounds: the rate it sets is the one DDP samples at."""
+    for out in run_distributed(_sampled_rounds, 2, timeout=60):
+        # Iteration n is published at the next synchronised forward: after the first backward, nothing yet; every
+        # iteration up to 10 is sampled, then every 4th (torch's default would keep 10 until the 100th).
+        assert out["iterations"] == [None, *range(1, 11), 10, 12, 12]
+        for sample, raw in zip(out["samples"][1:], out["raw"][1:]):
+            _, comm_s, overlap_s = sample
+            assert 0.0 <= overlap_s <= comm_s
+            # comm - overlap (two durations, also right on CUDA) = the end of the comm - the end of the compute (CPU)
+            comm_end, compute_end = raw
+            assert round((comm_s - overlap_s) * 1e9) == comm_end - compute_end
