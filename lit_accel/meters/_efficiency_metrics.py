@@ -167,9 +167,10 @@ def window_metrics(
         if comm_s > 0 and n > 1:
             # nccl-tests' bus bandwidth: the bytes the ring algorithms move per rank, over the time.
             out["comm_busbw_gbps"] = sum(r.comm_bus_bytes for r in rows) / n / comm_s / 1e9
-            out["comm_time_frac"] = sum(r.comm_s / r.window_s for r in rows if r.window_s > 0) / n
+            # At most 1 per rank: an estimate (AccelDDP's, from an earlier sampled round) can exceed a short window.
+            out["comm_time_frac"] = sum(min(1.0, r.comm_s / r.window_s) for r in rows if r.window_s > 0) / n
     if has_exposed:
-        out["comm_exposed_frac"] = sum(r.comm_exposed_s / r.window_s for r in rows if r.window_s > 0) / n
+        out["comm_exposed_frac"] = sum(min(1.0, r.comm_exposed_s / r.window_s) for r in rows if r.window_s > 0) / n
         # The source document's T_compute / (T_compute + T_comm), with T_compute = W - data wait - exposed comm.
         unblocked = sum(max(0.0, r.window_s - r.data_wait_s) for r in rows)
         if unblocked > 0:

@@ -315,10 +315,10 @@ def test_default_monitor_estimates_ddp_comm_time_from_ddps_own_samples_without_a
         assert row["comm_exposed_s"] == pytest.approx(estimated["expected"][1], rel=1e-9)
     estimated, exact = runs[0]["estimated"], runs[0]["exact"]
     rows = estimated["ranks"]
-    frac = sum(r["comm_s"] / r["window_s"] for r in rows) / len(rows)
+    frac = sum(min(1.0, r["comm_s"] / r["window_s"]) for r in rows) / len(rows)
     assert estimated["summary"]["comm_time_frac"] == pytest.approx(frac, rel=1e-9)
     for result in (estimated, exact):  # logged at every logging step; the bytes the same exact count either way
         assert len(result["perf"]) == LOGGED
         for metrics in result["perf"]:
             assert metrics["perf/comm_gb_per_step"] * 1e9 == pytest.approx(result["grad_bytes"], rel=1e-9)
-            assert 0.0 < metrics["perf/comm_time_frac"] < 1.0
+            assert 0.0 < metrics["perf/comm_time_frac"] <= 1.0  # an estimate from an earlier round is capped

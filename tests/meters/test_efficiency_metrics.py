@@ -29,6 +29,17 @@ def test_exposed_comm_and_compute_frac_follow_the_source_documents_formula():
     assert "comm_exposed_frac" not in without and "compute_frac" not in without
 
 
+def test_communication_shares_are_capped_at_the_window_for_an_estimate_that_exceeds_it():
+    # AccelDDP's hookless estimate prices a window's rounds at an earlier sampled round, which can be slower.
+    rows = [
+        _row(comm_s=12.0, comm_bytes=1.0, comm_exposed_s=11.0),  # estimated above the 10 s window
+        _row(comm_s=4.0, comm_bytes=1.0, comm_exposed_s=1.0),
+    ]
+    metrics, _ = window_metrics(rows, 10.0, EfficiencyConfig(), has_comm=True, has_exposed=True)
+    assert metrics["comm_time_frac"] == (1.0 + 0.4) / 2
+    assert metrics["comm_exposed_frac"] == (1.0 + 0.1) / 2
+
+
 # Every window lasts 13 s: the others wait 3 s longer (exposed comm) for the slow rank, whose one part is 3 s longer.
 _OTHERS = dict(window_s=13.0, data_wait_s=0.5, forward_s=1.0, backward_s=6.0, backwards=1.0, comm_exposed_s=3.5)
 _SLOW_BASE = dict(window_s=13.0, data_wait_s=0.5, forward_s=1.0, backward_s=3.0, backwards=1.0, comm_exposed_s=0.5)
