@@ -185,9 +185,10 @@ class AccelDDP(DDPStrategy):
         if self._comm_hook is None and self._comm_wrapper is None:
             stats.bucket_rounds = BucketRounds(self.model)  # DDP's C++ all-reduce; on_train_start may add the hook
             # DDP times a round in C++ every this many rounds: a fresh sample for each logging window's estimate (on
-            # CUDA, one host sync per sample instead of per 100 rounds; docs/strategies.md).
+            # CUDA, one host sync per sample instead of per 100 rounds; docs/strategies.md). Not logging: torch's rate.
             trainer = self.parts.trainer
-            set_ddp_sample_rate(self.model, max(1, trainer.log_every_n_steps) if trainer is not None else 100)
+            if trainer is not None and trainer.log_every_n_steps > 0:
+                set_ddp_sample_rate(self.model, trainer.log_every_n_steps)
         else:
             self._register_counting_hook()
 

@@ -208,5 +208,8 @@ def _reshard(module: torch.nn.Module) -> None:
 def _batch_size(inputs: Any) -> int:
     first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     if not isinstance(first, torch.Tensor):
-        raise TypeError(f"AccelParallel: the pipeline's first input must be a tensor, got {type(first).__name__}.")
+        raise TypeError(
+            f"AccelParallel: the pipeline's first input must be a tensor, got {type(first).__name__}."
+            " Fix: make the batch's first element the model input tensor (the target follows it)."
+        )
     return first.shape[0]

@@ -151,7 +151,9 @@ class AccelParallel(ModelParallelStrategy):
     def layout(self) -> ParallelLayout:
         """The mesh sizes (known from ``setup_environment``)."""
         if self._layout is None:
-            raise RuntimeError(f"{type(self).__name__}.layout is known once the processes have started.")
+            raise RuntimeError(
+                f"{type(self).__name__}.layout is known once the processes started. Fix: read it in setup."
+            )
         return self._layout
 
     @property
@@ -159,7 +161,9 @@ class AccelParallel(ModelParallelStrategy):
     def device_mesh(self) -> DeviceMesh:
         """The 4-D mesh ``(pipeline, data_replicate, data_shard, tensor)``."""
         if self._mesh is None:
-            raise RuntimeError(f"{type(self).__name__}.device_mesh is built when the processes have started.")
+            raise RuntimeError(
+                f"{type(self).__name__}.device_mesh is built once the processes started. Fix: use it in setup."
+            )
         return self._mesh
 
     @property
