@@ -43,7 +43,7 @@ def test_gpu_check_dry_run_passes_and_prints_the_table_last(tmp_path):
     # Both parts (the default), as the lent GPU machine runs them in two calls; the JSON is rewritten after each check.
     result, stdout = _run("gpu_check.py", tmp_path, "--dry-run", "--peak-tflops", "1", timeout=420)
     assert result["mode"] == "dry-run (CPU)" and result["complete"]
-    assert set(result["seconds_per_check"]) == {*result["checks"]} and len(result["checks"]) == 9
+    assert set(result["seconds_per_check"]) == {*result["checks"]} and len(result["checks"]) == 10
     verdicts = {row["check"]: row["result"] for row in result["rows"]}
     assert result["passed"], verdicts
     # Every check ran to its own rows (a crashing check collapses into one FAIL row named after it).
@@ -53,6 +53,8 @@ def test_gpu_check_dry_run_passes_and_prints_the_table_last(tmp_path):
     assert verdicts["SyncBN portable == BatchNorm(joint batch)"] == "PASS"
     assert verdicts["SyncBN 'auto' implementation"] == "PASS"
     assert verdicts["fp8-mixed trains a batch of 3"] == "PASS"  # 15 rows, padded as on FP8 tensor cores
+    assert verdicts["pipeline stage under compile + FP8"] == "PASS"  # AccelParallel's check (10)
+    assert verdicts["bubble meter on the host clock"] == "PASS"
     # Fused optimizers: nothing added; the positive control shows the counter sees the one documented host read.
     syncs = result["details"]["syncs"]
     assert syncs["16-mixed, fused AdamW"]["added_per_step"] == 0
