@@ -191,9 +191,13 @@ class MemoryMonitor(Callback):
             figure = partial(memory_figure, meter.history, title, trainer.world_size)
             save_report(self.report_path, self.report, figure, "MemoryMonitor", rank_zero_info)
         if trainer.is_global_zero and self.print_summary:
-            from rich.console import Console
+            self._print_tables(meter, title, held)
 
-            console = Console()
-            console.print(memory_table(meter.rows, self.summary, title))
-            if "per_stage" in self.report:
-                console.print(stage_table(self.report["per_stage"], held))
+    def _print_tables(self, meter: MemoryMeter, title: str, held: Any) -> None:
+        """Rank 0's end-of-fit tables: per rank, then per pipeline stage when there is a pipeline."""
+        from rich.console import Console
+
+        console = Console()
+        console.print(memory_table(meter.rows, self.summary, title))
+        if "per_stage" in self.report:
+            console.print(stage_table(self.report["per_stage"], held))
