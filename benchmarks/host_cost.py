@@ -2,17 +2,26 @@
 
 The model is ``Linear(8, 8)`` at batch 4 per process, so a step is almost all framework: Lightning's loop, the
 strategy, the precision plugin, the callbacks, DDP and gloo. One process and two (``--world-sizes``), gloo, one intra-op
-thread each. Each repetition of an arm is a fresh fit of ``--warmup + --steps + 1`` steps over one batch made once
-(``RepeatBatch``); the arms run interleaved and rotated (``A B C``, ``B C A``, ...) in the same processes, so drift
-hits all alike. Per fit two numbers over the ``--steps`` steps after the warm-up, between the starts of the first and
-the last timed step (``on_train_batch_start``): the **CPU time per step** (``time.process_time``: every thread of the
-process, the watchdog's and gloo's included; waiting for a busy core does not inflate it) and the **wall time per
-step**. A rank's figure is its own; the table gives the mean of the ranks. Differences are paired per repetition (arm
-minus its baseline in the same repetition); tables give their median and IQR over ``--reps`` repetitions.
+thread each. Each fit runs ``--warmup + --steps + 1`` steps over one batch made once (``RepeatBatch``) and is timed
+over the ``--steps`` steps after the warm-up in blocks of ``--log-every`` steps (a block holds the same work, one
+logging step included).
+
+``--design paired`` (the default) resolves about 0.01-0.02 ms. This VM's speed changes by 20-30 % within seconds, so
+two fits timed one after the other differ by more than the limits; instead an arm and its reference run **in turns**
+in two threads of the same processes, one step each (``_lockstep.py``): their block ``k`` runs within a millisecond of
+each other. Per pair and repetition the figure is the median over blocks of (arm's block - reference's block) in
+**CPU time of the fit's own thread** (``time.thread_time``: its Python and its kernels; not the background threads of
+gloo or the watchdog, which wake once a second); which one goes first alternates by repetition, the pairs rotate, and
+the tables give the median and IQR over ``--reps`` repetitions of the mean over ranks. Each arm is paired with its
+baseline and with the arm it adds one thing to. ``ddp_again - ddp`` (Lightning against itself) is the design's noise
+floor, to read every other difference against. ``--design sequential``, the earlier design, times whole fits one
+after the other (arms interleaved and rotated): CPU time of every thread of the process (``process_time``) and wall
+time, block medians (``*_mean_ms``: the plain means); its differences move by 0.1-0.2 ms run to run here.
 
 Arms (``--arms``; every DDP gets ``gradient_as_bucket_view=True``, AccelDDP's default, so only Python work differs):
 
-* ``ddp``: ``DDPStrategy``, fp32 (Lightning's own).  ``ddp_fp16``: ``DDPStrategy`` +
+* ``ddp``: ``DDPStrategy``, fp32 (Lightning's own); ``ddp_again``: the same, a second time (the noise floor).
+  ``ddp_fp16``: ``DDPStrategy`` +
   ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``;
 * ``accel_ddp``: ``AccelDDP()`` as shipped (report-only HangWatchdog thread);
   ``accel_ddp_no_watchdog``: the same with a benchmark-only ``HangWatchdog`` that never starts (lit_accel has no
@@ -28,7 +37,8 @@ baseline (deterministic counts; the times are cProfile's, inflated).
 
 Run (from the repository root; the lead's command on a quiet machine)::
 
-    python benchmarks/host_cost.py                     # 1 and 2 processes, 7 reps (~25 min on 2 cores)
+    python benchmarks/host_cost.py                     # every pair, 1 and 2 processes, 7 reps (~40 min on 2 cores)
+    python benchmarks/host_cost.py --arms ddp,ddp_again,accel_ddp,ddp_fp16,accel_fp16,full --reps 12  # the limits
     python benchmarks/host_cost.py --profile --out benchmarks/results/host_cost_profile.json
     python benchmarks/host_cost.py --tiny              # smoke test
 """
@@ -36,6 +46,8 @@ Run (from the repository root; the lead's command on a quiet machine)::
 from __future__ import annotations
 
 import cProfile
+import gc
+import itertools
 import pstats
 import statistics
 import time
@@ -43,12 +55,14 @@ from collections import Counter
 from typing import Any
 
 import _common
+import _lockstep
 import torch
 
 MONITORS = ("loss_scale", "efficiency", "memory")
 #: arm -> (baseline it is compared with, the arm it adds one thing to, or None)
 ARMS: dict[str, tuple[str | None, str | None]] = {
     "ddp": (None, None),
+    "ddp_again": ("ddp", "ddp"),
     "accel_ddp": ("ddp", "ddp"),
     "accel_ddp_no_watchdog": ("ddp", "ddp"),
     "ddp_callback": ("ddp", "ddp"),
@@ -58,6 +72,7 @@ ARMS: dict[str, tuple[str | None, str | None]] = {
     **{f"accel_fp16_{m}": ("ddp_fp16", "accel_fp16") for m in MONITORS},
     "full": ("ddp_fp16", "accel_fp16"),
 }
+_KEYS = ("cpu_ms", "wall_ms", "cpu_mean_ms", "wall_mean_ms")
 #: The issue's acceptance: (arm, baseline, most ms of CPU per step it may add).
 LIMITS = (("accel_fp16", "ddp_fp16", 0.10), ("full", "ddp_fp16", 0.25), ("accel_ddp", "ddp", 0.05))
 
@@ -114,19 +129,27 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def fit(arm: str, args: Any, world_size: int, profile: bool = False) -> dict[str, Any]:
-    """One fit of ``arm``; CPU and wall ms per step over the timed steps (and, with ``profile``, the counts)."""
+def fit(
+    arm: str, args: Any, world_size: int, profile: bool = False, turns: _lockstep.Turns | None = None, me: int = 0
+) -> dict[str, Any]:
+    """One fit of ``arm``; CPU and wall ms per step over the timed steps (and, with ``profile``, the counts).
+
+    With ``turns`` it runs in turns with another fit, a step each, and its CPU time is its own thread's.
+    """
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    first, last = args.warmup, args.warmup + args.steps
+    first, last, block = args.warmup, args.warmup + args.steps, args.log_every
     marks: dict[int, tuple[float, float]] = {}
     tools: dict[str, Any] = {}
+    cpu_clock = time.process_time if turns is None else time.thread_time
 
     class StepClock(Callback):  # in every arm alike: two integer comparisons per step outside its marks
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx in (first, last):
-                marks[batch_idx] = (time.perf_counter(), time.process_time())
+            if first <= batch_idx <= last and (batch_idx - first) % block == 0:
+                marks[batch_idx] = (time.perf_counter(), cpu_clock())
+            if turns is not None:
+                turns.hand_over(me)
             if not profile:
                 return
             if batch_idx == first:
@@ -158,7 +181,15 @@ def fit(arm: str, args: Any, world_size: int, profile: bool = False) -> dict[str
     )
     trainer.fit(module, train_dataloaders=_common.RepeatBatch(batch, steps))
     (w0, c0), (w1, c1) = marks[first], marks[last]
-    out: dict[str, Any] = {"wall_ms": 1e3 * (w1 - w0) / args.steps, "cpu_ms": 1e3 * (c1 - c0) / args.steps}
+    ends = sorted(marks)
+    blocks = [(b - a, marks[b], marks[a]) for a, b in itertools.pairwise(ends) if b - a == block]  # whole blocks only
+    out: dict[str, Any] = {
+        "cpu_blocks_ms": [1e3 * (c - d) / n for n, (_, c), (_, d) in blocks],
+        "wall_ms": 1e3 * statistics.median((w - v) / n for n, (w, _), (v, _) in blocks),
+        "cpu_ms": 1e3 * statistics.median((c - d) / n for n, (_, c), (_, d) in blocks),
+        "wall_mean_ms": 1e3 * (w1 - w0) / args.steps,
+        "cpu_mean_ms": 1e3 * (c1 - c0) / args.steps,
+    }
     if profile:
         out["functions"] = _functions(tools["profiler"], args.steps)
         out["ops"] = {op: n / args.steps for op, n in tools["ops"].ops.items()}
@@ -188,6 +219,53 @@ def worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
     return results
 
 
+def pairs(arms: list[str]) -> list[tuple[str, str]]:
+    """``(arm, reference)`` for every arm and each of its baseline and parent among ``arms``."""
+    return [(arm, ref) for arm in arms for ref in dict.fromkeys(ARMS[arm]) if ref is not None and ref in arms]
+
+
+def paired_worker(rank: int, world_size: int, args: Any) -> dict[str, list[dict[str, float]]]:
+    """In every process: each pair ``--reps`` times, rotated; the two fits of a pair run in turns, a step each.
+
+    Per pair and repetition: the median over blocks of (arm's block - reference's block), blocks paired by index, and
+    each fit's own block median. Which of the two goes first alternates between repetitions.
+    """
+    results: dict[str, list[dict[str, float]]] = {}
+    for rep in range(args.reps):
+        for arm, ref in _common.rotated(pairs(args.arms), rep):
+            gc.collect()  # the previous pair's garbage is not collected inside this one
+            torch.distributed.barrier()
+            order = (arm, ref) if rep % 2 else (ref, arm)
+            jobs = [lambda turns, me, a=a: fit(a, args, world_size, turns=turns, me=me) for a in order]
+            runs = dict(zip(order, _lockstep.run_in_turns(jobs)))
+            diffs = [a - b for a, b in zip(runs[arm]["cpu_blocks_ms"], runs[ref]["cpu_blocks_ms"])]
+            own = {"arm_cpu_ms": runs[arm]["cpu_ms"], "ref_cpu_ms": runs[ref]["cpu_ms"]}
+            results.setdefault(f"{arm} - {ref}", []).append({"cpu_ms": statistics.median(diffs), **own})
+    return results
+
+
+def measure_paired(args: Any, world_size: int) -> dict[str, Any]:
+    ranks = _common.launch(paired_worker, world_size, args, timeout=6 * 3600)
+    differences = {
+        name: {key: _common.summarize([statistics.fmean(r[name][i][key] for r in ranks) for i in range(args.reps)], 4)
+               for key in ("cpu_ms", "arm_cpu_ms", "ref_cpu_ms")}
+        for name in ranks[0]
+    }  # fmt: skip
+    per_rank = {name: [[round(x["cpu_ms"], 4) for x in r[name]] for r in ranks] for name in ranks[0]}
+    return {"differences": differences, "acceptance": _acceptance(differences), "per_rank_cpu_ms": per_rank}
+
+
+def _acceptance(differences: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for arm, ref, limit in LIMITS:
+        d = differences.get(f"{arm} - {ref}")
+        if d is not None:
+            added = d["cpu_ms"]
+            out.append({"arm": arm, "baseline": ref, "limit_ms": limit, "added_cpu_ms": added["median"],
+                        "iqr_ms": added["iqr"], "met": added["median"] <= limit})  # fmt: skip
+    return out
+
+
 def profile_worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
     return {arm: fit(arm, args, world_size, profile=True) for arm in args.arms}
 
@@ -196,7 +274,7 @@ def measure(args: Any, world_size: int) -> dict[str, Any]:
     ranks = _common.launch(worker, world_size, args, timeout=6 * 3600)
     per_rep = {
         arm: {key: [statistics.fmean(r[arm][i][key] for r in ranks) for i in range(args.reps)]
-              for key in ("cpu_ms", "wall_ms")}
+              for key in _KEYS}
         for arm in args.arms
     }  # fmt: skip
     arms = {arm: {key: _common.summarize(v, 4) for key, v in values.items()} for arm, values in per_rep.items()}
@@ -206,16 +284,10 @@ def measure(args: Any, world_size: int) -> dict[str, Any]:
             if arm in per_rep:
                 differences[f"{arm} - {ref}"] = {
                     key: _common.summarize([a - b for a, b in zip(per_rep[arm][key], per_rep[ref][key])], 4)
-                    for key in ("cpu_ms", "wall_ms")
+                    for key in _KEYS
                 }
-    acceptance = []
-    for arm, ref, limit in LIMITS:
-        d = differences.get(f"{arm} - {ref}")
-        if d is not None:
-            added = d["cpu_ms"]
-            acceptance.append({"arm": arm, "baseline": ref, "limit_ms": limit, "added_cpu_ms": added["median"],
-                               "iqr_ms": added["iqr"], "met": added["median"] <= limit})  # fmt: skip
     per_rank = {arm: [[round(x["cpu_ms"], 4) for x in r[arm]] for r in ranks] for arm in args.arms}
+    acceptance = _acceptance(differences)
     return {"arms": arms, "differences": differences, "acceptance": acceptance, "per_rank_cpu_ms": per_rank}
 
 
@@ -264,12 +336,18 @@ def tables(result: dict[str, Any]) -> str:
     text += f" -> {result['load_average_after']} ({result['note']}).\n"
     for world_size, run in result.get("world_sizes", {}).items():
         text += f"\n**{world_size} process(es)**: ms per optimizer step, median over repetitions (IQR).\n\n"
-        rows = [[arm, f"{a['cpu_ms']['median']:.3f}", f"{a['cpu_ms']['iqr']:.3f}", f"{a['wall_ms']['median']:.3f}",
-                 f"{a['wall_ms']['iqr']:.3f}"] for arm, a in run["arms"].items()]  # fmt: skip
-        text += _common.markdown_table(["arm", "CPU", "IQR", "wall", "IQR"], rows) + "\n"
-        rows = [[name, f"{d['cpu_ms']['median']:+.3f}", _span(d["cpu_ms"]), f"{d['wall_ms']['median']:+.3f}",
-                 _span(d["wall_ms"])] for name, d in run["differences"].items()]  # fmt: skip
-        text += _common.markdown_table(["difference", "CPU", "IQR", "wall", "IQR"], rows) + "\n"
+        if "arms" in run:  # --design sequential
+            rows = [[arm, f"{a['cpu_ms']['median']:.3f}", f"{a['cpu_ms']['iqr']:.3f}", f"{a['wall_ms']['median']:.3f}",
+                     f"{a['wall_ms']['iqr']:.3f}"] for arm, a in run["arms"].items()]  # fmt: skip
+            text += _common.markdown_table(["arm", "CPU", "IQR", "wall", "IQR"], rows) + "\n"
+            rows = [[name, f"{d['cpu_ms']['median']:+.3f}", _span(d["cpu_ms"]), f"{d['wall_ms']['median']:+.3f}",
+                     _span(d["wall_ms"])] for name, d in run["differences"].items()]  # fmt: skip
+            text += _common.markdown_table(["difference", "CPU", "IQR", "wall", "IQR"], rows) + "\n"
+        else:
+            rows = [[name, f"{d['cpu_ms']['median']:+.4f}", _span(d["cpu_ms"]), f"{d['arm_cpu_ms']['median']:.3f}",
+                     f"{d['ref_cpu_ms']['median']:.3f}"] for name, d in run["differences"].items()]  # fmt: skip
+            header = ["pair (run in turns)", "CPU added", "IQR", "arm CPU", "reference CPU"]
+            text += _common.markdown_table(header, rows) + "\n"
         rows = [[f"{a['arm']} - {a['baseline']}", f"<= {a['limit_ms']:.2f}", f"{a['added_cpu_ms']:+.3f}",
                  f"{a['iqr_ms']:.3f}", "yes" if a["met"] else "no"] for a in run["acceptance"]]  # fmt: skip
         text += _common.markdown_table(["acceptance", "limit (ms CPU)", "added", "IQR", "met"], rows)
@@ -293,6 +371,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=_common.positive_int, default=4, help="samples per process")
     p.add_argument("--log-every", type=_common.positive_int, default=50, help="Trainer(log_every_n_steps=)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    p.add_argument(
+        "--design",
+        choices=("paired", "sequential"),
+        default="paired",
+        help="paired: each arm and its reference in turns, a step each (resolves ~0.01 ms on a noisy VM);"
+        " sequential: one fit after the other, interleaved and rotated (CPU of every thread, and wall)",
+    )
     p.add_argument("--profile", action="store_true", help="profile each arm once (1 process) instead of timing")
     p.add_argument("--top", type=_common.positive_int, default=12, help="--profile: functions listed per arm")
     p.add_argument("--note", default="measured under load by other jobs", help="what the tables say about the machine")
@@ -302,7 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if any(a not in ARMS for a in args.arms) or len(set(args.arms)) != len(args.arms):
         p.error(f"--arms {','.join(args.arms)}: expected distinct names from {', '.join(ARMS)}")
     if args.tiny:
-        args.world_sizes, args.warmup, args.steps, args.reps = [1], 10, 30, 1
+        args.world_sizes, args.warmup, args.steps, args.reps, args.log_every = [1], 10, 30, 1, 10
+    if args.steps < args.log_every:
+        p.error(f"--steps {args.steps}: at least one block of --log-every {args.log_every} steps is timed")
     if args.profile:
         args.steps = min(args.steps, 500)
     machine = _common.machine_info()
@@ -312,13 +399,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile:
         result["profile"] = profile(args)
     else:
-        result["world_sizes"] = {str(n): measure(args, n) for n in args.world_sizes}
+        run = measure_paired if args.design == "paired" else measure
+        result["world_sizes"] = {str(n): run(args, n) for n in args.world_sizes}
     result["load_average_after"] = _common.load_average()
     result["wall_s"] = round(time.perf_counter() - start, 1)
     result["setup"] = {
         "model": "Linear(8, 8), cross-entropy, SGD(lr=1e-3)", "batch_per_process": args.batch, "backend": "gloo",
         "threads_per_process": 1, "warmup_steps": args.warmup, "timed_steps": args.steps, "reps": args.reps,
-        "log_every_n_steps": args.log_every, "arms": args.arms,
+        "log_every_n_steps": args.log_every, "arms": args.arms, "design": args.design,
         "arms_in_order": [_common.rotated(args.arms, r) for r in range(min(args.reps, len(args.arms)))],
     }  # fmt: skip
     _common.write_outputs(result, args.out, tables(result))

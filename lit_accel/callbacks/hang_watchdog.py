@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lit_accel.meters.progress_watchdog import HangReport, ProgressWatchdog
 from lit_accel.utilities._compat import launched_child_processes
-from lit_accel.utilities._idle_hooks import idle_unused
+from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._validation import check_number
 
 if TYPE_CHECKING:
@@ -24,7 +24,9 @@ REPORT_AFTER_S = 300.0  #: seconds without progress after which the strategies' 
 class HangWatchdog(Callback):
     """Name a rank that stops making progress, where it is (its stack) and who waits for it; end the job, or report.
 
-    A hook costs one assignment. Only ``fit`` is watched; a second instance stays passive. See docs/reliability.md.
+    A hook costs one assignment; lit_accel's strategies mark each training batch themselves (:meth:`mark_steps`), so
+    Lightning dispatches no per-batch hook of it. Only ``fit`` is watched; a second instance stays passive. See
+    docs/reliability.md.
 
     Example::
 
@@ -83,15 +85,34 @@ class HangWatchdog(Callback):
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._step = trainer.global_step  # restored from a checkpoint after on_fit_start
 
+    def mark_steps(self) -> bool:
+        """The caller (a strategy) marks each training batch's start and end itself; True if it is to.
+
+        Then Lightning's dispatch leaves out the two per-batch hooks (a profiler context each) until the fit ends. False
+        for a subclass that overrides either hook: its hooks keep running and the caller marks nothing.
+        """
+        hooks = ("on_train_batch_start", "on_train_batch_end")
+        if any(getattr(type(self), name) is not getattr(HangWatchdog, name) for name in hooks):
+            return False
+        idle(self, HangWatchdog, *hooks)
+        return True
+
+    def batch_started(self) -> None:
+        """A training batch starts: its forward, backward and optimizer step (the stack tells which)."""
+        self._enter("training_step", self._step_allowance)  # self._step: set at the train start, at the last batch end
+
+    def batch_ended(self, global_step: int) -> None:
+        """A training batch ended with ``global_step`` optimizer steps taken: until the next one starts, "data"."""
+        self._step, self._step_allowance = global_step, self.timeout
+        self._enter("data", self.timeout)
+
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        # self._step is the global step already (set at the train start and at the previous batch's end)
-        self._enter("training_step", self._step_allowance)  # forward, backward, optimizer step: the stack tells which
+        self.batch_started()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._step, self._step_allowance = trainer.global_step, self.timeout
-        self._enter("data", self.timeout)
+        self.batch_ended(trainer.global_step)
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -110,6 +131,7 @@ class HangWatchdog(Callback):
     # Also on an exception: after a verdict that ends the job, a peer's exit makes a collective raise; stop() ends us.
     @override
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:  # teardown (loggers, the strategy's) has no phases
+        wake(self, "on_train_batch_start", "on_train_batch_end")  # the next fit's strategy may not mark them
         if self._active:
             self.watchdog.stop()
             self._active = False
@@ -117,12 +139,18 @@ class HangWatchdog(Callback):
     on_exception = teardown = on_train_end
 
 
-def add_hang_watchdog(trainer: pl.Trainer, timeout: float | None) -> None:
-    """What AccelDDP/AccelFSDP add: ending the job after ``timeout`` s, or (``None``) a report-only watchdog."""
-    if any(isinstance(cb, HangWatchdog) for cb in trainer.callbacks):
-        return  # the user's own wins
+def add_hang_watchdog(trainer: pl.Trainer, timeout: float | None) -> HangWatchdog:
+    """What lit_accel's strategies add: ending the job after ``timeout`` s, or (``None``) a report-only watchdog.
+
+    Returns the watchdog that watches this fit: the Trainer's first (a user's own wins), else the one added.
+    """
+    first = next((cb for cb in trainer.callbacks if isinstance(cb, HangWatchdog)), None)
+    if first is not None:
+        return first
     if timeout is None:  # a default must never end a healthy job: it reports a long stall, once
-        trainer.callbacks.append(HangWatchdog(REPORT_AFTER_S, on_hang="report"))
+        added = HangWatchdog(REPORT_AFTER_S, on_hang="report")
     else:
         longer = max(600.0, timeout)
-        trainer.callbacks.append(HangWatchdog(timeout, longer, longer, longer, interval=min(1.0, timeout / 10)))
+        added = HangWatchdog(timeout, longer, longer, longer, interval=min(1.0, timeout / 10))
+    trainer.callbacks.append(added)
+    return added

@@ -90,6 +90,7 @@ class MemoryMonitor(Callback):
         self._step_label = 0
         self._logged_label: int | None = None
         self._last_step = 0  # global step at the end of the previous batch (a batch that moves it stepped)
+        self._awake_before_step = True  # whether Lightning dispatches on_before_optimizer_step now
         idle_unused(self)
 
     @override
@@ -101,6 +102,9 @@ class MemoryMonitor(Callback):
         self._step_label, self._logged_label = batches_that_stepped(trainer), None
         self._last_step = trainer.global_step
         self._measuring(self.measure_activations)
+        wake(self, "on_before_optimizer_step")  # whatever an earlier fit left
+        self._awake_before_step = True
+        self._before_logging_steps(self._step_label, trainer.log_every_n_steps)
 
     def _measuring(self, activations: bool) -> None:
         """The hooks around the forward run only while one forward's activations are to be measured."""
@@ -113,6 +117,20 @@ class MemoryMonitor(Callback):
     def _logging_step(self, trainer: pl.Trainer) -> bool:
         every = trainer.log_every_n_steps
         return bool(every) and (batches_that_stepped(trainer) + 1) % every == 0
+
+    def _before_logging_steps(self, steps: int, every: int) -> None:
+        """``on_before_optimizer_step`` runs only when the next batch may log (Lightning's dispatch skips it otherwise).
+
+        ``steps``: ``batches_that_stepped`` now; whether Lightning counts this batch too is known only after
+        ``on_train_batch_end``, so both candidates wake it.
+        """
+        soon = bool(every) and ((steps + 1) % every == 0 or (steps + 2) % every == 0)
+        if soon is not self._awake_before_step:
+            self._awake_before_step = soon
+            if soon:
+                wake(self, "on_before_optimizer_step")
+            else:
+                idle(self, MemoryMonitor, "on_before_optimizer_step")
 
     # ------------------------------------------------------------------ per-step path
 
@@ -146,12 +164,15 @@ class MemoryMonitor(Callback):
         meter = self.meter
         assert meter is not None
         meter.stop_activations()  # a batch without backward (training_step returned None)
-        if trainer.global_step == self._last_step:
+        steps, every = batches_that_stepped(trainer), trainer.log_every_n_steps
+        self._before_logging_steps(steps, every)
+        global_step = trainer.global_step
+        if global_step == self._last_step:
             return  # no optimizer step in this batch (accumulation)
-        self._last_step = trainer.global_step
-        self._step_label = batches_that_stepped(trainer)  # this step's index; Lightning increments it after this hook
-        if self._logging_step(trainer):
-            self._log(trainer, meter.compute(step=self._step_label))
+        self._last_step = global_step
+        self._step_label = steps  # this step's index; Lightning increments it after this hook
+        if every and (steps + 1) % every == 0:
+            self._log(trainer, meter.compute(step=steps))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -35,12 +35,21 @@ class StatsSource:
 
     def __init__(self, stats: Callable[[], ScalerStats], scaler: torch.amp.GradScaler | None) -> None:
         self.stats, self.scaler = stats, scaler
+        self._version: int | None = None
 
     def start(self) -> None:
         pass
 
     def after_step(self) -> None:
         pass  # the counters are cumulative: nothing to do per step
+
+    def scale_changed(self) -> bool:
+        """Whether the scale may have changed since the last call: a ``DynamicGradScaler`` says (``scale_version``)."""
+        version = getattr(self.scaler, "scale_version", None)
+        if version is None:
+            return True
+        changed, self._version = version != self._version, version
+        return changed
 
     def scale(self) -> Tensor | None:
         live = grad_scaler_scale(self.scaler) if self.scaler is not None else None  # no copy per step
@@ -96,6 +105,9 @@ class TorchScalerSource:
 
     def scale(self) -> Tensor | None:
         return grad_scaler_scale(self.scaler)
+
+    def scale_changed(self) -> bool:
+        return True  # torch's update runs its kernels every step: nothing to save
 
     def counters(self) -> Counters | None:
         scale = grad_scaler_scale(self.scaler)

@@ -2,7 +2,8 @@
 
 No Lightning here: drive it from any loop with a scaler (``AccelPrecision``, a ``DynamicGradScaler`` or a plain
 ``torch.amp.GradScaler``); the ``LossScaleMonitor`` callback is a thin adapter over it. Per optimizer step it runs a
-few tiny device ops; :meth:`LossScaleMeter.compute` reads everything with one ``stack(...).tolist()``.
+few tiny device ops for a plain ``GradScaler``, one for a ``DynamicGradScaler`` step that may have changed the scale
+and none for a clean one; :meth:`LossScaleMeter.compute` reads everything with one ``stack(...).tolist()``.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class LossScaleMeter:
             return
         self.state["steps_seen"] += optimizer_steps
         self.source.after_step()
+        if not self.source.scale_changed() and self._min_scale is not None:
+            return  # the minimum cannot have moved: no op on a clean step
         scale = self.source.scale()
         if scale is not None:
             self._update_min(scale)

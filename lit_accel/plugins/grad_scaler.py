@@ -284,6 +284,11 @@ class DynamicGradScaler(torch.amp.GradScaler):
         return backoff
 
     @property
+    def scale_version(self) -> int:
+        """Grows whenever the scale may have changed; equal across a clean step that grew nothing (no op ran)."""
+        return self._scale_version
+
+    @property
     def loss_scaling(self) -> bool:
         """Always True: a ``DynamicGradScaler`` cannot be disabled (the ``ScalerStatsProvider`` protocol)."""
         return True

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lit_accel.callbacks.hang_watchdog import add_hang_watchdog
+from lit_accel.callbacks.hang_watchdog import HangWatchdog, add_hang_watchdog
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
 from lit_accel.strategies._batch_planner import BatchPlanner
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
@@ -110,6 +110,9 @@ class AccelParts:
         #: Micro-batching of the running fit (``None``: loaded batches run whole).
         self.micro: MicroBatching | None = None
         self._trainer: pl.Trainer | None = None  # the strategy's hooks do not receive it
+        self._marks: HangWatchdog | None = None  # the fit's watchdog, when its batch marks are ours to make
+        self._automatic = True  # the module's automatic_optimization, read once per fit
+        self._inside = False  # in training_step or optimizer_step: a backward there does not end the batch
 
     @property
     def trainer(self) -> pl.Trainer | None:
@@ -163,11 +166,14 @@ class AccelParts:
         different data. ``splits_batches``: the strategy runs the plan's micro-batches itself, which must then be equal
         (a pipeline schedule), in ``micro_batches`` per loaded batch if given; no ``MicroBatching`` then.
         """
-        self._trainer = trainer
+        self._trainer, self._marks = trainer, None
         if trainer.state.fn != TrainerFn.FITTING:
             return None
-        add_hang_watchdog(trainer, self.hang_timeout)  # report-only unless hang_timeout is set
+        watchdog = add_hang_watchdog(trainer, self.hang_timeout)  # report-only unless hang_timeout is set
+        # Marked from our own hooks, not through two callback hooks per batch (Lightning's dispatch is the cost).
+        self._marks = watchdog if watchdog.mark_steps() else None
         device, module = strategy.root_device, strategy.lightning_module
+        self._automatic = module is None or module.automatic_optimization
         plan = self.planner.resolve(trainer, data_parallel_size=data_parallel_size, group=group, device=device,
                                     even_micro_batches=splits_batches, micro_batches=micro_batches)  # fmt: skip
         self.window.new_fit()
@@ -190,13 +196,23 @@ class AccelParts:
 
     def training_step(self, host: MicroBatchHost, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``training_step``: the loaded batch counted and run, whole or as micro-batches."""
-        trainer = self._trainer
+        trainer, marks = self._trainer, self._marks
         assert trainer is not None
+        if marks is not None:
+            marks.batch_started()
         self.planner.check_reload(trainer)  # a reloaded train dataloader must fit the plan
         self.window.batch_started()
-        if self.micro is None:
-            return step(*args, **kwargs)
-        return self.micro.run(host, step, trainer.accumulate_grad_batches, *args, **kwargs)
+        inside, self._inside = self._inside, True
+        try:
+            if self.micro is None:
+                output = step(*args, **kwargs)
+            else:
+                output = self.micro.run(host, step, trainer.accumulate_grad_batches, *args, **kwargs)
+        finally:
+            self._inside = inside
+        if marks is not None and not self._automatic:  # the user's training_step held the whole batch
+            marks.batch_ended(trainer.global_step)
+        return output
 
     def backward(self, backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``backward``, with the earlier micro-batches' gradients back first.
@@ -205,14 +221,19 @@ class AccelParts:
         """
         micro = self.micro
         if micro is None:
-            return backward(*args, **kwargs)
-        micro.restore_gradients()
-        try:
-            return backward(*args, **kwargs)
-        except Exception as err:
-            if micro.size is None or not is_out_of_memory(err):
-                raise
-            raise RuntimeError(out_of_memory_message(self.owner, micro.size)) from err
+            output = backward(*args, **kwargs)
+        else:
+            micro.restore_gradients()
+            try:
+                output = backward(*args, **kwargs)
+            except Exception as err:
+                if micro.size is None or not is_out_of_memory(err):
+                    raise
+                raise RuntimeError(out_of_memory_message(self.owner, micro.size)) from err
+        if self._marks is not None and self._automatic and not self._inside:  # an accumulating batch's last work
+            assert self._trainer is not None
+            self._marks.batch_ended(self._trainer.global_step)
+        return output
 
     def optimizer_step(
         self, step: Callable[..., Any], optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any
@@ -221,12 +242,20 @@ class AccelParts:
 
         It makes a short window exact, and puts the held gradients back when Lightning skipped the backward.
         """
-        trainer = self._trainer
-        module = trainer.lightning_module if trainer is not None else None
+        trainer, automatic = self._trainer, self._automatic
         accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
-        automatic = module is None or module.automatic_optimization
         closure = self.window.step(closure, optimizer, accumulation, automatic)
-        return step(optimizer, closure if self.micro is None else _restoring(closure, self.micro), *args, **kwargs)
+        if self.micro is not None:
+            closure = _restoring(closure, self.micro)
+        inside, self._inside = self._inside, True
+        try:
+            output = step(optimizer, closure, *args, **kwargs)
+        finally:
+            self._inside = inside
+        if self._marks is not None and automatic:
+            assert trainer is not None
+            self._marks.batch_ended(trainer.global_step + 1)  # Lightning counts this step once the hook returns
+        return output
 
     def loops_restored(self) -> None:
         """In ``load_optimizer_state_dict`` (the first strategy hook after Lightning restored the loops)."""

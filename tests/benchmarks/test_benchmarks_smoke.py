@@ -185,3 +185,45 @@ def test_memory_tiny_shows_each_lever_saving_memory_per_rank(tmp_path):
     assert arms["fsdp_ac/fp32"]["max_over_ranks_mb"]["activations"] < 0.5 * fsdp["activations"]
     casts = {arm: arms[arm]["max_over_ranks_mb"]["param_casts"] for arm in ("ddp/bf16", "fsdp/bf16")}
     assert casts["ddp/bf16"] > 0 and casts["fsdp/bf16"] == 0  # autocast's weight copies; FSDP2 gathers bf16 instead
+
+
+@pytest.mark.slow
+def test_host_cost_tiny_pairs_every_arm_with_its_references_and_checks_the_limits(tmp_path):
+    result, _ = _run("host_cost.py", tmp_path, "--tiny")
+    run = result["world_sizes"]["1"]
+    assert {
+        "ddp_again - ddp",
+        "accel_ddp - ddp",
+        "accel_fp16 - ddp_fp16",
+        "full - ddp_fp16",
+        "full - accel_fp16",
+    } <= set(run["differences"])
+    assert [(a["arm"], a["baseline"]) for a in run["acceptance"]] == [
+        ("accel_fp16", "ddp_fp16"), ("full", "ddp_fp16"), ("accel_ddp", "ddp")
+    ]  # fmt: skip
+    assert all(d["arm_cpu_ms"]["median"] > 0 and d["ref_cpu_ms"]["median"] > 0 for d in run["differences"].values())
+
+
+def test_lockstep_turns_alternate_one_step_each_and_a_failing_job_neither_hangs_nor_hides(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _lockstep
+
+    order: list[tuple[int, int]] = []
+
+    def job(steps: int, fail_at: int | None = None) -> Any:
+        def run(turns: Any, me: int) -> int:
+            for step in range(steps):
+                order.append((me, step))
+                if step == fail_at:
+                    raise RuntimeError(f"job {me} failed")
+                turns.hand_over(me)
+            return me
+
+        return run
+
+    assert _lockstep.run_in_turns([job(3), job(5)]) == [0, 1]
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (1, 3), (1, 4)]  # the longer one finishes alone
+    order.clear()
+    with pytest.raises(RuntimeError, match="job 1 failed"):
+        _lockstep.run_in_turns([job(4), job(4, fail_at=1)])
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (0, 3)]

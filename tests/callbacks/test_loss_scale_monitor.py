@@ -502,3 +502,30 @@ def test_cuda_16_mixed_logs_and_never_syncs_on_the_step_path(tmp_path):
     assert set(rows[5]) == set(_KEYS + _UNDERFLOW_KEYS)
     assert rows[2]["amp/skipped_steps"] == 0 and rows[5]["amp/skipped_steps"] == 1
     assert rows[5]["amp/loss_scale"] == trainer.precision_plugin.scaler.get_scale()
+
+
+def test_the_meter_runs_no_op_on_a_clean_step_of_a_dynamic_scaler_and_keeps_the_exact_minimum():
+    from tests.helpers.dispatch import OpRecorder
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = DynamicGradScaler(init_scale=2.0**10, growth_interval=3, min_scale=1.0).to("cpu")
+    meter = lsm.LossScaleMeter()
+    assert meter.attach(scaler)
+    overflows, scales, ops_per_step = {4, 5, 9}, [], []
+    for step in range(14):
+        loss = model(torch.randn(2, 4)).sum() * (float("inf") if step in overflows else 1.0)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        with OpRecorder() as recorder:
+            meter.step()
+        ops_per_step.append(len(recorder.ops))
+        scales.append(scaler.get_scale())  # a host read, for the test only
+    changed = [i for i in range(1, 14) if scales[i] != scales[i - 1]]
+    assert changed and all(ops_per_step[i] >= 1 for i in changed)  # growths and back-offs: the minimum is updated
+    clean = [i for i in range(1, 14) if i not in overflows and scales[i] == scales[i - 1]]
+    assert clean and all(ops_per_step[i] == 0 for i in clean), ops_per_step  # the host knew nothing could move
+    assert meter.summary()["min_scale"] == min(scales) < 2.0**10

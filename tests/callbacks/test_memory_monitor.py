@@ -324,3 +324,52 @@ def test_metrics_arithmetic_is_exact():
 def test_bad_arguments_are_rejected(make, error, pattern):
     with pytest.raises(error, match=pattern):
         make()
+
+
+class _AlwaysAwake(MemoryMonitor):
+    """The reference: overriding the hook keeps Lightning dispatching it at every optimizer step."""
+
+    dispatched = 0
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        type(self).dispatched += 1
+        super().on_before_optimizer_step(*args)
+
+
+class _ManualEveryOther(_Model):
+    """Manual optimization that steps on every other batch (Lightning counts every batch as stepped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if batch_idx % 2:
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+
+@pytest.mark.parametrize(("model", "accumulation"), [(_Model, 1), (_Model, 2), (_ManualEveryOther, 1)])
+def test_the_hook_before_the_step_runs_only_around_logging_steps_and_records_the_same(model, accumulation):
+    def fit(monitor: MemoryMonitor, dispatches: list[int]) -> list[tuple[int | None, dict[str, float]]]:
+        class Count(pl.Callback):  # after the monitor: whether Lightning would dispatch its hook at this batch
+            def on_train_batch_start(self, *args: Any) -> None:
+                dispatches.append(monitor.__dict__.get("on_before_optimizer_step", "awake") is not None)
+
+        logger = CaptureLogger()
+        torch.manual_seed(0)
+        kwargs = {"max_steps": 12, "log_every_n_steps": 5, "accumulate_grad_batches": accumulation}
+        trainer = pl.Trainer(**small_trainer_kwargs(logger=logger, callbacks=[monitor, Count()], **kwargs))
+        trainer.fit(model(), make_loader(make_dataset(96, IN, OUT), BATCH))
+        return logger.with_prefix("mem/")
+
+    awake: list[int] = []
+    ours: list[int] = []
+    reference = fit(_AlwaysAwake(print_summary=False), awake)
+    logged = fit(MemoryMonitor(print_summary=False), ours)
+    assert logged == reference and len(logged) == 3  # two logging steps and the end of fit: the same figures
+    assert all(awake) and sum(ours) <= 2 * 3 * accumulation + 2  # awake only around the 2 logging steps (+ the end)
