@@ -99,12 +99,14 @@ class HangWatchdog(Callback):
 
     def batch_started(self) -> None:
         """A training batch starts: its forward, backward and optimizer step (the stack tells which)."""
-        self._enter("training_step", self._step_allowance)  # self._step: set at the train start, at the last batch end
+        if self._active:  # self._step: set at the train start and at the last batch's end
+            self.watchdog.enter("training_step", self._step, self._step_allowance)
 
     def batch_ended(self, global_step: int) -> None:
         """A training batch ended with ``global_step`` optimizer steps taken: until the next one starts, "data"."""
         self._step, self._step_allowance = global_step, self.timeout
-        self._enter("data", self.timeout)
+        if self._active:
+            self.watchdog.enter("data", global_step, self.timeout)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
