@@ -11,6 +11,7 @@ fixes and the peer-failure explanation. What differs between strategies
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.pytorch.plugins import TorchSyncBatchNorm
@@ -25,7 +26,7 @@ from lit_accel.strategies._micro_batch_search import is_out_of_memory
 from lit_accel.strategies._micro_batches import MicroBatchHost, MicroBatching, out_of_memory_message
 from lit_accel.strategies._partial_window import PartialWindow
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
-from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
+from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync, train_batch_idx
 from lit_accel.utilities._rank_errors import say_once
 from lit_accel.utilities._validation import check_number
 from lit_accel.utilities._workarounds import resume_finished_epoch, resume_loader_states
@@ -162,7 +163,7 @@ class AccelParts:
     ) -> BatchPlan | None:
         """First in the strategy's ``setup``: the plan (before ``configure_optimizers``), micro-batching, the rest.
 
-        Also an empty window, the watchdog and the SyncBN plugin. ``data_parallel_size``/``group``: the ranks that load
+        Also the watchdog and the SyncBN plugin. ``data_parallel_size``/``group``: the ranks that load
         different data. ``splits_batches``: the strategy runs the plan's micro-batches itself, which must then be equal
         (a pipeline schedule), in ``micro_batches`` per loaded batch if given; no ``MicroBatching`` then.
         """
@@ -176,7 +177,6 @@ class AccelParts:
         self._automatic = module is None or module.automatic_optimization
         plan = self.planner.resolve(trainer, data_parallel_size=data_parallel_size, group=group, device=device,
                                     even_micro_batches=splits_batches, micro_batches=micro_batches)  # fmt: skip
-        self.window.new_fit()
         self.micro = None if splits_batches else self._micro_batching(plan, module, strategy.num_processes)
         set_layer_sync(strategy, self.batchnorm_sync.resolve(get_layer_sync(strategy), module, strategy.world_size))
         return plan
@@ -201,7 +201,6 @@ class AccelParts:
         if marks is not None:
             marks.batch_started()
         self.planner.check_reload(trainer)  # a reloaded train dataloader must fit the plan
-        self.window.batch_started()
         inside, self._inside = self._inside, True
         try:
             if self.micro is None:
@@ -244,7 +243,7 @@ class AccelParts:
         """
         trainer, automatic = self._trainer, self._automatic
         accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
-        closure = self.window.step(closure, optimizer, accumulation, automatic)
+        closure = self.window.step(closure, optimizer, accumulation, automatic, partial(train_batch_idx, trainer))
         if self.micro is not None:
             closure = _restoring(closure, self.micro)
         inside, self._inside = self._inside, True
