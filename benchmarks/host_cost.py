@@ -37,8 +37,8 @@ baseline (deterministic counts; the times are cProfile's, inflated).
 
 Run (from the repository root; the lead's command on a quiet machine)::
 
-    python benchmarks/host_cost.py                     # every pair, 1 and 2 processes, 7 reps (~40 min on 2 cores)
-    python benchmarks/host_cost.py --arms ddp,ddp_again,accel_ddp,ddp_fp16,accel_fp16,full --reps 12  # the limits
+    python benchmarks/host_cost.py                     # every pair, 1 and 2 processes, 7 reps (~25 min on 2 cores)
+    python benchmarks/host_cost.py --arms ddp,ddp_again,accel_ddp,ddp_fp16,accel_fp16,full --reps 12  # limits, 13 min
     python benchmarks/host_cost.py --profile --out benchmarks/results/host_cost_profile.json
     python benchmarks/host_cost.py --tiny              # smoke test
 """
