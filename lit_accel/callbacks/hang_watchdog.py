@@ -24,9 +24,9 @@ REPORT_AFTER_S = 300.0  #: seconds without progress after which the strategies' 
 class HangWatchdog(Callback):
     """Name a rank that stops making progress, where it is (its stack) and who waits for it; end the job, or report.
 
-    A hook costs one assignment; lit_accel's strategies mark each training batch themselves (:meth:`mark_steps`), so
-    Lightning dispatches no per-batch hook of it. Only ``fit`` is watched; a second instance stays passive. See
-    docs/reliability.md.
+    A hook costs one assignment; lit_accel's strategies mark each training batch's start themselves
+    (:meth:`mark_steps`), so Lightning dispatches one per-batch hook of it. Only ``fit`` is watched; a second instance
+    stays passive. See docs/reliability.md.
 
     Example::
 
@@ -86,15 +86,15 @@ class HangWatchdog(Callback):
         self._step = trainer.global_step  # restored from a checkpoint after on_fit_start
 
     def mark_steps(self) -> bool:
-        """The caller (a strategy) marks each training batch's start and end itself; True if it is to.
+        """The caller (a strategy) marks each training batch's start itself; True if it is to.
 
-        Then Lightning's dispatch leaves out the two per-batch hooks (a profiler context each) until the fit ends. False
-        for a subclass that overrides either hook: its hooks keep running and the caller marks nothing.
+        Then Lightning's dispatch leaves out ``on_train_batch_start`` (a profiler context per batch) until the fit ends;
+        the batch's end stays with ``on_train_batch_end``, after the other callbacks' (a checkpoint saved there). False
+        for a subclass that overrides the hook: it keeps running and the caller marks nothing.
         """
-        hooks = ("on_train_batch_start", "on_train_batch_end")
-        if any(getattr(type(self), name) is not getattr(HangWatchdog, name) for name in hooks):
+        if type(self).on_train_batch_start is not HangWatchdog.on_train_batch_start:
             return False
-        idle(self, HangWatchdog, *hooks)
+        idle(self, HangWatchdog, "on_train_batch_start")
         return True
 
     def batch_started(self) -> None:
@@ -102,19 +102,14 @@ class HangWatchdog(Callback):
         if self._active:  # self._step: set at the train start and at the last batch's end
             self.watchdog.enter("training_step", self._step, self._step_allowance)
 
-    def batch_ended(self, global_step: int) -> None:
-        """A training batch ended with ``global_step`` optimizer steps taken: until the next one starts, "data"."""
-        self._step, self._step_allowance = global_step, self.timeout
-        if self._active:
-            self.watchdog.enter("data", global_step, self.timeout)
-
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.batch_started()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.batch_ended(trainer.global_step)
+        self._step, self._step_allowance = trainer.global_step, self.timeout
+        self._enter("data", self.timeout)
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -133,7 +128,7 @@ class HangWatchdog(Callback):
     # Also on an exception: after a verdict that ends the job, a peer's exit makes a collective raise; stop() ends us.
     @override
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:  # teardown (loggers, the strategy's) has no phases
-        wake(self, "on_train_batch_start", "on_train_batch_end")  # the next fit's strategy may not mark them
+        wake(self, "on_train_batch_start")  # the next fit's strategy may not mark it
         if self._active:
             self.watchdog.stop()
             self._active = False

@@ -1,12 +1,9 @@
-"""``PartialWindow``: the exact mean over an epoch's short last accumulation window.
+"""``PartialWindow``: the loaded batches of the current accumulation window, and the exact mean over a short one.
 
 Lightning starts a window at ``batch_idx % k == 0`` and forces a step on an epoch's last batch, so only that window
 can be shorter than ``k``; Lightning still divides each loss by ``k`` (issue #19987). With ``"mean"`` the gradient
 of such a window is rescaled from ``1/k`` to ``1/m`` per loaded batch, right after the window's last backward and
-before the precision plugin unscales, clips and steps. ``m`` is read from Lightning's batch index when the window
-ends (``batch_idx % k + 1``: the windows restart with each epoch and line up after a resume), so nothing is counted
-per batch and a step that cannot be short (``k = 1``, manual optimization, ``"lightning"``) runs Lightning's closure
-as it is.
+before the precision plugin unscales, clips and steps.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ __all__ = ["PartialWindow"]
 
 
 class PartialWindow:
-    """Averages an epoch's short last accumulation window over the loaded batches it had.
+    """Counts the loaded batches since the last optimizer step (its only writer) and corrects a short window.
 
     Args:
         owner: the strategy's class name, for messages.
@@ -34,25 +31,35 @@ class PartialWindow:
     def __init__(self, owner: str, mode: Literal["mean", "lightning"] = "mean") -> None:
         check_choice(owner, "partial_window", mode, ("mean", "lightning"), "'mean'")
         self.mode = mode
+        self._loaded = 0  # loaded batches since the last optimizer step
+
+    @property
+    def loaded_batches(self) -> int:
+        """Loaded batches since the last optimizer step."""
+        return self._loaded
+
+    def batch_started(self) -> None:
+        """A loaded batch's ``training_step`` begins."""
+        self._loaded += 1
+
+    def new_fit(self) -> None:
+        """A fit starts with an empty window."""
+        self._loaded = 0
 
     def step(
-        self,
-        closure: Callable[[], Any],
-        optimizer: Optimizer,
-        accumulation: int,
-        automatic: bool,
-        batch_idx: Callable[[], int],
+        self, closure: Callable[[], Any], optimizer: Optimizer, accumulation: int, automatic: bool
     ) -> Callable[[], Any]:
-        """The closure to step with (from the strategy's ``optimizer_step``); ``batch_idx``: the epoch's batch index."""
-        if self.mode != "mean" or accumulation == 1 or not automatic:
-            return closure  # no window to correct: Lightning's own closure, no frame of ours
+        """The closure to step with (from the strategy's ``optimizer_step``): it ends the window when it runs."""
+        correct = self.mode == "mean" and accumulation > 1 and automatic
 
         def window_closure() -> Any:
-            # Runs the window's final batch (its gradient sync included), then - before the precision plugin
-            # unscales, clips and steps - rescales a short window from 1/k to 1/m.
+            # Runs the window's final batch (its training_step counted, its gradient sync included), then - before
+            # the precision plugin unscales, clips and steps - rescales a short window from 1/k to 1/m.
             output = closure()
-            params = (p for group in optimizer.param_groups for p in group["params"])
-            rescale_partial_window_(params, accumulation, batch_idx() % accumulation + 1)
+            loaded, self._loaded = self._loaded, 0
+            if correct:
+                params = (p for group in optimizer.param_groups for p in group["params"])
+                rescale_partial_window_(params, accumulation, loaded)
             return output
 
         return window_closure

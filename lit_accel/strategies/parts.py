@@ -11,7 +11,6 @@ fixes and the peer-failure explanation. What differs between strategies
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.pytorch.plugins import TorchSyncBatchNorm
@@ -26,7 +25,7 @@ from lit_accel.strategies._micro_batch_search import is_out_of_memory
 from lit_accel.strategies._micro_batches import MicroBatchHost, MicroBatching, out_of_memory_message
 from lit_accel.strategies._partial_window import PartialWindow
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
-from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync, train_batch_idx
+from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
 from lit_accel.utilities._rank_errors import say_once
 from lit_accel.utilities._validation import check_number
 from lit_accel.utilities._workarounds import resume_finished_epoch, resume_loader_states
@@ -111,9 +110,8 @@ class AccelParts:
         #: Micro-batching of the running fit (``None``: loaded batches run whole).
         self.micro: MicroBatching | None = None
         self._trainer: pl.Trainer | None = None  # the strategy's hooks do not receive it
-        self._marks: HangWatchdog | None = None  # the fit's watchdog, when its batch marks are ours to make
+        self._marks: HangWatchdog | None = None  # the fit's watchdog, when its batch starts are ours to mark
         self._automatic = True  # the module's automatic_optimization, read once per fit
-        self._inside = False  # in training_step or optimizer_step: a backward there does not end the batch
 
     @property
     def trainer(self) -> pl.Trainer | None:
@@ -163,7 +161,7 @@ class AccelParts:
     ) -> BatchPlan | None:
         """First in the strategy's ``setup``: the plan (before ``configure_optimizers``), micro-batching, the rest.
 
-        Also the watchdog and the SyncBN plugin. ``data_parallel_size``/``group``: the ranks that load
+        Also an empty window, the watchdog and the SyncBN plugin. ``data_parallel_size``/``group``: the ranks that load
         different data. ``splits_batches``: the strategy runs the plan's micro-batches itself, which must then be equal
         (a pipeline schedule), in ``micro_batches`` per loaded batch if given; no ``MicroBatching`` then.
         """
@@ -171,12 +169,13 @@ class AccelParts:
         if trainer.state.fn != TrainerFn.FITTING:
             return None
         watchdog = add_hang_watchdog(trainer, self.hang_timeout)  # report-only unless hang_timeout is set
-        # Marked from our own hooks, not through two callback hooks per batch (Lightning's dispatch is the cost).
+        # A batch's start marked from our training_step, not through a callback hook (Lightning's dispatch is the cost).
         self._marks = watchdog if watchdog.mark_steps() else None
         device, module = strategy.root_device, strategy.lightning_module
         self._automatic = module is None or module.automatic_optimization
         plan = self.planner.resolve(trainer, data_parallel_size=data_parallel_size, group=group, device=device,
                                     even_micro_batches=splits_batches, micro_batches=micro_batches)  # fmt: skip
+        self.window.new_fit()
         self.micro = None if splits_batches else self._micro_batching(plan, module, strategy.num_processes)
         set_layer_sync(strategy, self.batchnorm_sync.resolve(get_layer_sync(strategy), module, strategy.world_size))
         return plan
@@ -196,22 +195,15 @@ class AccelParts:
 
     def training_step(self, host: MicroBatchHost, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``training_step``: the loaded batch counted and run, whole or as micro-batches."""
-        trainer, marks = self._trainer, self._marks
+        trainer = self._trainer
         assert trainer is not None
-        if marks is not None:
-            marks.batch_started()
+        if self._marks is not None:
+            self._marks.batch_started()
         self.planner.check_reload(trainer)  # a reloaded train dataloader must fit the plan
-        inside, self._inside = self._inside, True
-        try:
-            if self.micro is None:
-                output = step(*args, **kwargs)
-            else:
-                output = self.micro.run(host, step, trainer.accumulate_grad_batches, *args, **kwargs)
-        finally:
-            self._inside = inside
-        if marks is not None and not self._automatic:  # the user's training_step held the whole batch
-            marks.batch_ended(trainer.global_step)
-        return output
+        self.window.batch_started()
+        if self.micro is None:
+            return step(*args, **kwargs)
+        return self.micro.run(host, step, trainer.accumulate_grad_batches, *args, **kwargs)
 
     def backward(self, backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The strategy's ``backward``, with the earlier micro-batches' gradients back first.
@@ -220,19 +212,14 @@ class AccelParts:
         """
         micro = self.micro
         if micro is None:
-            output = backward(*args, **kwargs)
-        else:
-            micro.restore_gradients()
-            try:
-                output = backward(*args, **kwargs)
-            except Exception as err:
-                if micro.size is None or not is_out_of_memory(err):
-                    raise
-                raise RuntimeError(out_of_memory_message(self.owner, micro.size)) from err
-        if self._marks is not None and self._automatic and not self._inside:  # an accumulating batch's last work
-            assert self._trainer is not None
-            self._marks.batch_ended(self._trainer.global_step)
-        return output
+            return backward(*args, **kwargs)
+        micro.restore_gradients()
+        try:
+            return backward(*args, **kwargs)
+        except Exception as err:
+            if micro.size is None or not is_out_of_memory(err):
+                raise
+            raise RuntimeError(out_of_memory_message(self.owner, micro.size)) from err
 
     def optimizer_step(
         self, step: Callable[..., Any], optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any
@@ -241,20 +228,9 @@ class AccelParts:
 
         It makes a short window exact, and puts the held gradients back when Lightning skipped the backward.
         """
-        trainer, automatic = self._trainer, self._automatic
-        accumulation = 1 if trainer is None else trainer.accumulate_grad_batches
-        closure = self.window.step(closure, optimizer, accumulation, automatic, partial(train_batch_idx, trainer))
-        if self.micro is not None:
-            closure = _restoring(closure, self.micro)
-        inside, self._inside = self._inside, True
-        try:
-            output = step(optimizer, closure, *args, **kwargs)
-        finally:
-            self._inside = inside
-        if self._marks is not None and automatic:
-            assert trainer is not None
-            self._marks.batch_ended(trainer.global_step + 1)  # Lightning counts this step once the hook returns
-        return output
+        accumulation = 1 if self._trainer is None else self._trainer.accumulate_grad_batches
+        closure = self.window.step(closure, optimizer, accumulation, self._automatic)
+        return step(optimizer, closure if self.micro is None else _restoring(closure, self.micro), *args, **kwargs)
 
     def loops_restored(self) -> None:
         """In ``load_optimizer_state_dict`` (the first strategy hook after Lightning restored the loops)."""

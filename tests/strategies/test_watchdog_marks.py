@@ -1,10 +1,11 @@
-"""lit_accel's strategies mark the HangWatchdog's per-batch phases themselves, exactly as its callback hooks would.
+"""lit_accel's strategies mark the start of each HangWatchdog batch themselves, exactly as its callback hook would.
 
-The strategy that adds the watchdog marks a batch's start and end from its own ``training_step``/``backward``/
-``optimizer_step``, so Lightning's dispatch leaves out two callback hooks per batch (``benchmarks/host_cost.py``).
-Proven by equality: the sequence of phases, steps and allowances the watchdog records under ``AccelDDP`` equals the
-one its hooks record under Lightning's own strategy, for automatic optimization with and without accumulation (a
-partial last window), micro-batches, and manual optimization.
+The strategy that adds the watchdog marks a batch's start from its own ``training_step``, so Lightning's dispatch
+leaves out that callback hook per batch (``benchmarks/host_cost.py``); the end stays with ``on_train_batch_end``,
+after the other callbacks' (a checkpoint saved there). Proven by equality: the sequence of phases, steps and
+allowances the watchdog records under ``AccelDDP`` equals the one its hooks record under Lightning's own strategy,
+for automatic optimization with and without accumulation (a partial last window), micro-batches, manual optimization
+and a checkpoint saved at the end of a batch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lit_accel import AccelDDP
@@ -57,18 +59,19 @@ class _Marks(HangWatchdog):
         self.idle_in_fit = self.__dict__.get("on_train_batch_start", "awake") is None
 
 
-def _fit(strategy: Any, module: pl.LightningModule, **kwargs: Any) -> _Marks:
+def _fit(strategy: Any, module: pl.LightningModule, checkpoint_dir: Any = None, **kwargs: Any) -> _Marks:
     watchdog = _Marks()
+    saving = [] if checkpoint_dir is None else [ModelCheckpoint(checkpoint_dir, every_n_train_steps=2, save_top_k=-1)]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        callbacks=[watchdog],
+        callbacks=[*saving, watchdog],
         max_epochs=2,
         limit_val_batches=1,
         num_sanity_val_steps=0,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(saving),
         enable_progress_bar=False,
         enable_model_summary=False,
         **kwargs,
@@ -82,12 +85,15 @@ CASES = {
     "accumulation_with_a_partial_window": ({}, {"accumulate_grad_batches": 2}, BNModel),
     "micro_batches": ({"micro_batch_size": 2}, {"accumulate_grad_batches": 2}, BNModel),
     "manual": ({}, {}, _Manual),
+    "checkpoint_at_a_batch_end": ({}, {"checkpoint_dir": True}, BNModel),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_strategy_marks_the_phases_its_hooks_would(case):
+def test_the_strategy_marks_the_phases_its_hooks_would(case, tmp_path):
     accel_kwargs, trainer_kwargs, model = CASES[case]
+    if "checkpoint_dir" in trainer_kwargs:
+        trainer_kwargs = {"checkpoint_dir": tmp_path}
     torch.manual_seed(0)
     hooks = _fit(SingleDeviceStrategy("cpu"), model(), **trainer_kwargs)
     torch.manual_seed(0)
@@ -97,23 +103,25 @@ def test_the_strategy_marks_the_phases_its_hooks_would(case):
     assert len(batches) == 10, hooks.marks  # 5 batches x 2 epochs, each marked
     assert ours.marks == hooks.marks
     assert ours.marks[1] == ("training_step", 0, 70.0) and ("data", 1, 7.0) in ours.marks  # first step, then later
-    assert "on_train_batch_start" not in ours.__dict__  # the hooks are back for the next fit's strategy
+    if case == "checkpoint_at_a_batch_end":
+        assert ("checkpoint", 2, 600.0) in ours.marks  # the saves were marked, in the hooks' order
+    assert "on_train_batch_start" not in ours.__dict__  # the hook is back for the next fit's strategy
 
 
-def test_a_subclass_that_overrides_a_per_batch_hook_keeps_it_and_is_not_marked():
+def test_a_subclass_that_overrides_the_batch_start_hook_keeps_it_and_is_not_marked():
     calls: list[int] = []
 
     class Own(_Marks):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             calls.append(trainer.global_step)
-            super().on_train_batch_end(trainer, *args)
+            super().on_train_batch_start(trainer, *args)
 
     watchdog = Own()
     assert not watchdog.mark_steps() and "on_train_batch_start" not in watchdog.__dict__
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=AccelDDP(), callbacks=[watchdog], max_steps=3,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
     trainer.fit(BNModel(), make_loader(make_dataset(20), 4))
-    assert calls == [1, 2, 3]
+    assert calls == [0, 1, 2]
     assert [m[:2] for m in watchdog.marks if m[0] != "setup"] == [
         ("training_step", 0), ("data", 1), ("training_step", 1), ("data", 2), ("training_step", 2), ("data", 3)
     ]  # fmt: skip
