@@ -199,6 +199,15 @@ class MemoryMonitor(Callback):
         if self._logged_label != self._step_label:
             self._log(trainer, metrics)
         self.summary = meter.summary()
+        title, held = self._report(trainer, meter)
+        if trainer.is_global_zero and self.report_path is not None:
+            figure = partial(memory_figure, meter.history, title, trainer.world_size)
+            save_report(self.report_path, self.report, figure, "MemoryMonitor", rank_zero_info)
+        if trainer.is_global_zero and self.print_summary:
+            self._print_tables(meter, title, held)
+
+    def _report(self, trainer: pl.Trainer, meter: MemoryMeter) -> tuple[str, Any]:
+        """The end-of-fit report (with the run's configuration), its title, and the stages each pipeline rank held."""
         self.report = meter.report()
         strategy = type(trainer.strategy).__name__
         self.report["config"].update(strategy=strategy, precision=str(trainer.precision))
@@ -207,12 +216,7 @@ class MemoryMonitor(Callback):
             self.report["config"]["pipeline_stages"] = [list(stages) for stages in held]
         device = trainer.strategy.root_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        title = f"MemoryMonitor: {name} x{trainer.world_size}, {trainer.precision}, {strategy}"
-        if trainer.is_global_zero and self.report_path is not None:
-            figure = partial(memory_figure, meter.history, title, trainer.world_size)
-            save_report(self.report_path, self.report, figure, "MemoryMonitor", rank_zero_info)
-        if trainer.is_global_zero and self.print_summary:
-            self._print_tables(meter, title, held)
+        return f"MemoryMonitor: {name} x{trainer.world_size}, {trainer.precision}, {strategy}", held
 
     def _print_tables(self, meter: MemoryMeter, title: str, held: Any) -> None:
         """Rank 0's end-of-fit tables: per rank, then per pipeline stage when there is a pipeline."""
