@@ -1,4 +1,4 @@
-"""``HangWatchdog``: Lightning's hooks mark the phases of :class:`~lit_accel.meters.ProgressWatchdog`, which watches."""
+"""``HangWatchdog``: Lightning's progress counters and hooks give :class:`~lit_accel.meters.ProgressWatchdog` phases."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lit_accel.meters.progress_watchdog import HangReport, ProgressWatchdog
+from lit_accel.meters.progress_watchdog import HangReport, Position, ProgressWatchdog
 from lit_accel.utilities._compat import launched_child_processes
-from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
+from lit_accel.utilities._idle_hooks import idle_unused
 from lit_accel.utilities._validation import check_number
 
 if TYPE_CHECKING:
@@ -24,9 +24,9 @@ REPORT_AFTER_S = 300.0  #: seconds without progress after which the strategies' 
 class HangWatchdog(Callback):
     """Name a rank that stops making progress, where it is (its stack) and who waits for it; end the job, or report.
 
-    A hook costs one assignment; lit_accel's strategies mark each training batch's start themselves
-    (:meth:`mark_steps`), so Lightning dispatches one per-batch hook of it. Only ``fit`` is watched; a second instance
-    stays passive. See docs/reliability.md.
+    Its thread reads the training loop's progress counters once per ``interval``: no hook runs per training batch. A
+    validation batch or a checkpoint costs one assignment. Only ``fit`` is watched; a second instance stays passive.
+    See docs/reliability.md.
 
     Example::
 
@@ -36,7 +36,7 @@ class HangWatchdog(Callback):
         timeout: seconds a training step (forward, backward, optimizer step), or the time between two, may take.
         first_step_timeout: the same for set-up and the first training step (compilation, lazy communicator set-up).
         validation_timeout: for each validation (and sanity-check) batch, and for the work after the last one.
-        checkpoint_timeout: from ``on_save_checkpoint`` until the next phase starts (writing the file).
+        checkpoint_timeout: from ``on_save_checkpoint`` until the next phase, or the next batch (writing the file).
         interval: seconds between two publications of a rank's state.
         on_hang: ``"exit"`` ends every rank with code 124 after the report; ``"report"`` prints it once per stall.
     """
@@ -57,8 +57,8 @@ class HangWatchdog(Callback):
             check_number("HangWatchdog", f"{name}_timeout", value, fix=f"pass seconds, e.g. {name}_timeout=600")
         self.timeout = float(timeout)
         self.first_step_timeout, self.validation_timeout, self.checkpoint_timeout = map(float, longer.values())
-        self._active, self._step, self._step_allowance = False, 0, self.first_step_timeout
-        idle_unused(self)  # the backward's and the optimizer's hooks: Lightning's dispatch skips them
+        self._active, self._trainer, self._first_done = False, None, None
+        idle_unused(self)  # every per-batch hook: Lightning's dispatch skips them
 
     @property
     def report(self) -> HangReport | None:
@@ -67,7 +67,16 @@ class HangWatchdog(Callback):
 
     def _enter(self, phase: str, allowance: float) -> None:
         if self._active:
-            self.watchdog.enter(phase, self._step, allowance)
+            self.watchdog.enter(phase, self._trainer.global_step, allowance)
+
+    def _position(self) -> Position:
+        """Where the training loop stands, from its progress counters (read by the watchdog's thread)."""
+        trainer = self._trainer
+        batches = trainer.fit_loop.epoch_loop.batch_progress.total
+        ready, done = batches.ready, batches.completed  # ready: fetched and on the device; completed: its hooks ran
+        phase = "data" if ready == done else "training_step"  # forward, backward, optimizer step and the batch's hooks
+        first = self._first_done is None or done == self._first_done  # set-up and this fit's first batch
+        return Position(ready + done, phase, trainer.global_step, self.first_step_timeout if first else self.timeout)
 
     # Started here, not in ``setup``: a strategy may append this callback in ``strategy.setup()``, after those hooks.
     @override
@@ -77,39 +86,14 @@ class HangWatchdog(Callback):
             rank_zero_warn(f"HangWatchdog(timeout={self.timeout:g}) stays passive: the Trainer has another one"
                            f" (timeout={first.timeout:g}). Fix: pass a single HangWatchdog.")  # fmt: skip
             return
-        self._active, self._step, self._step_allowance = True, trainer.global_step, self.first_step_timeout
+        self._active, self._trainer, self._first_done = True, trainer, None
+        self.watchdog.follow(self._position)
         self._enter("setup", self.first_step_timeout)
         self.watchdog.start([proc for _, proc in launched_child_processes(trainer.strategy)])
 
     @override
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._step = trainer.global_step  # restored from a checkpoint after on_fit_start
-
-    def mark_steps(self) -> bool:
-        """The caller (a strategy) marks each training batch's start itself; True if it is to.
-
-        Then Lightning's dispatch leaves out ``on_train_batch_start`` (a profiler context per batch) until the fit ends;
-        the batch's end stays with ``on_train_batch_end``, after the other callbacks' (a checkpoint saved there). False
-        for a subclass that overrides the hook: it keeps running and the caller marks nothing.
-        """
-        if type(self).on_train_batch_start is not HangWatchdog.on_train_batch_start:
-            return False
-        idle(self, HangWatchdog, "on_train_batch_start")
-        return True
-
-    def batch_started(self) -> None:
-        """A training batch starts: its forward, backward and optimizer step (the stack tells which)."""
-        if self._active:  # self._step: set at the train start and at the last batch's end
-            self.watchdog.enter("training_step", self._step, self._step_allowance)
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.batch_started()
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._step, self._step_allowance = trainer.global_step, self.timeout
-        self._enter("data", self.timeout)
+        self._first_done = trainer.fit_loop.epoch_loop.batch_progress.total.completed  # restored from a checkpoint
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -119,19 +103,21 @@ class HangWatchdog(Callback):
 
     @override
     def on_validation_end(self, *args: Any) -> None:
-        self._enter("data", self._step_allowance)  # after the sanity check, the first step's allowance still holds
+        if self._active:  # back to the training loop's position (after the sanity check: still the first step's)
+            _, phase, step, allowance = self._position()
+            self.watchdog.enter(phase, step, allowance)
 
     @override
     def on_save_checkpoint(self, *args: Any) -> None:
-        self._enter("checkpoint", self.checkpoint_timeout)
+        self._enter("checkpoint", self.checkpoint_timeout)  # until the loop moves on: the next batch is fetched
 
     # Also on an exception: after a verdict that ends the job, a peer's exit makes a collective raise; stop() ends us.
     @override
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:  # teardown (loggers, the strategy's) has no phases
-        wake(self, "on_train_batch_start")  # the next fit's strategy may not mark it
         if self._active:
             self.watchdog.stop()
-            self._active = False
+            self.watchdog.follow(None)
+            self._active, self._trainer = False, None
 
     on_exception = teardown = on_train_end
 

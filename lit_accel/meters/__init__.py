@@ -7,6 +7,6 @@ Lightning's ``ThroughputMonitor``. :class:`ProgressWatchdog` is the hang watchdo
 from lit_accel.meters.efficiency import EfficiencyMeter
 from lit_accel.meters.loss_scale import LossScaleMeter
 from lit_accel.meters.memory import MemoryMeter
-from lit_accel.meters.progress_watchdog import ProgressWatchdog
+from lit_accel.meters.progress_watchdog import Position, ProgressWatchdog
 
-__all__ = ["EfficiencyMeter", "LossScaleMeter", "MemoryMeter", "ProgressWatchdog"]
+__all__ = ["EfficiencyMeter", "LossScaleMeter", "MemoryMeter", "Position", "ProgressWatchdog"]

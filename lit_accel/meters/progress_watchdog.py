@@ -17,17 +17,29 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 from types import FrameType
 from typing import Any, Literal, NamedTuple
 
 import torch
 
+from lit_accel.meters._hang_verdict import HangReport, RankState, format_report, judge, rank_ranges, write_stderr
 from lit_accel.utilities._compat import default_process_group_store
 from lit_accel.utilities._validation import check_choice, check_number
 
-__all__ = ["HANG_EXIT_CODE", "HangReport", "Progress", "ProgressWatchdog", "RankState"]
+__all__ = [
+    "HANG_EXIT_CODE",
+    "HangReport",
+    "Position",
+    "Progress",
+    "ProgressWatchdog",
+    "RankState",
+    "format_report",
+    "judge",
+    "locate",
+    "rank_ranges",
+]
 
 HANG_EXIT_CODE = 124  #: every rank's exit code when the watchdog ends a job (the ``timeout`` command's "timed out")
 _STARTS = itertools.count()  # watchdog starts in this process: every rank starts its watchdogs in the same order
@@ -46,52 +58,23 @@ _DATA, _AUTOGRAD = _TORCH + os.path.join("utils", "data", ""), _TORCH + os.path.
 
 
 class Progress(NamedTuple):
-    """The main thread's latest record: phase changes so far, the phase, its step and allowance, its start."""
+    """A record: phase changes so far, the phase, its step and allowance, its start, the source's count then."""
 
     changes: int
     phase: str
     step: int | None
     allowance_s: float
     started: float  # time.monotonic()
+    position: int = 0  # Position.count when it was recorded (0 without a source)
 
 
-@dataclass(frozen=True)
-class RankState:
-    """What one rank publishes every interval: its progress and, once its main thread sits still, where it is."""
+class Position(NamedTuple):
+    """Where a loop stands, read from its own counters by the watchdog's thread (:meth:`ProgressWatchdog.follow`)."""
 
-    rank: int
-    seq: int  # phase changes so far: ranks running the same program agree, so the smallest is furthest behind
+    count: int  # grows at every move, and is the same on every rank at the same place
     phase: str
     step: int | None
-    stall_s: float  # seconds without progress
     allowance_s: float
-    pid: int = 0
-    host: str = ""
-    kind: str = "running"  # or collective (waits for peers: never blamed), data, debugger, gone (:func:`locate`)
-    call: str | None = None  # what it runs: ``torch.distributed.all_reduce``, ``torch.utils.data...``
-    site: str | None = None  # its call into torch: the innermost frame outside torch and the standard library
-    user: str | None = None  # the innermost frame of the user's own code
-    stack: str | None = None
-    status: Literal["running", "finished"] = "running"
-
-    @property
-    def overdue(self) -> bool:
-        """Whether the rank has gone longer than its allowance without progress."""
-        return self.stall_s > self.allowance_s
-
-
-@dataclass(frozen=True)
-class HangReport:
-    """A verdict, the ranks it blames and the last state of every rank (ordered by rank)."""
-
-    verdict: Literal["stuck", "divergent", "waiting"]
-    culprits: tuple[int, ...]
-    states: tuple[RankState, ...]
-
-    @property
-    def key(self) -> tuple:
-        """The stall it describes (the blamed ranks' progress, or all): reported once, however long it lasts."""
-        return tuple((s.rank, s.seq, s.status) for s in self.states if s.rank in self.culprits or not self.culprits)
 
 
 def _file(frame: FrameType) -> str:
@@ -135,97 +118,6 @@ def locate(thread_id: int, with_stack: bool = False) -> dict[str, Any]:
     return {**out, "kind": "running", "call": _where(hit, api=True)}
 
 
-def judge(states: dict[int, RankState], quiet_s: float) -> HangReport | None:
-    """The verdict, from states in rank order; ``quiet_s``: seconds since any rank's progress or place changed."""
-
-    def report(verdict: Any, blamed: Any) -> HangReport:  # stacks of the blamed ranks only: every rank reads it
-        kept = tuple(s if s.rank in blamed else replace(s, stack=None) for s in states.values())
-        return HangReport(verdict, tuple(sorted(blamed)), kept)
-
-    live = [s for s in states.values() if s.status == "running"]
-    if not live or any(s.kind == "debugger" for s in live):
-        return None
-    running = [s for s in live if s.kind != "collective"]
-    if stuck := [s for s in running if s.overdue]:  # several: the furthest behind (a device hang stalls the others)
-        return report("stuck", [s.rank for s in stuck if s.seq == min(t.seq for t in stuck)])
-    if running:
-        return None  # a rank within its allowance: the others legitimately wait for it
-    places: dict[tuple, list[int]] = {}
-    for s in states.values():
-        places.setdefault((s.kind, s.phase, s.call, s.site) if s.status == "running" else (), []).append(s.rank)
-    # Ranks waiting in different places can never meet: the shortest allowance applies. One collective everybody
-    # waits in may legitimately be long (a large gather while checkpointing): the longest applies.
-    allowances = [s.allowance_s for s in live]
-    if quiet_s <= (min(allowances) if len(places) > 1 else max(allowances)):
-        return None
-    smallest = min(len(ranks) for ranks in places.values())
-    blamed = [r for ranks in places.values() if len(ranks) == smallest for r in ranks] if len(places) > 1 else []
-    return report("divergent" if blamed else "waiting", () if len(blamed) == len(states) else blamed)
-
-
-def rank_ranges(ranks: Any) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda ir: ir[1] - ir[0])]
-    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-
-
-def _doing(s: RankState, culprits: tuple[int, ...]) -> str:
-    waits = f" for rank {rank_ranges(culprits)}" if culprits and s.rank not in culprits else ""
-    site = f", called from {s.site}" if s.site else ""
-    return {
-        "collective": f"waiting{waits} in {s.call}{site}",
-        "data": f"waiting for the data pipeline in {s.call}" + (f", at {s.user}" if s.user else ""),
-        "running": f"running your code at {s.user}" if s.user else f"running {s.call}{site}",
-    }.get(s.kind, s.kind)
-
-
-_ADVICE = {
-    "data": "the data pipeline: a deadlocked or dead DataLoader worker, a hung filesystem, or fewer batches here",
-    "code": "your code at {user}: if its work is legitimate (evaluation, an upload on one rank), raise the allowance"
-    " of phase '{phase}'; else what blocks it there: a lock, I/O, a rank-dependent branch, or a GPU sync (.item())",
-    "library": "{call}: compilation, I/O or a GPU sync that does not return; if legitimate, raise phase '{phase}''s",
-    "divergent": "control flow that differs between ranks: a collective under a condition on the rank, the data or a"
-    " metric, a collective on some ranks only, or ranks with different numbers of batches",
-    "waiting": "every rank waits in one collective: the network, a process outside the job, or a device (NCCL_DEBUG)",
-}
-
-
-def format_report(report: HangReport, exit_code: int | None) -> str:
-    """The report the ranks concerned print; ``exit_code`` None when the job goes on."""
-    culprits, states, ranks = report.culprits, report.states, rank_ranges(report.culprits)
-    s, advice = next((t for t in states if t.rank in culprits), states[0]), report.verdict
-    if advice == "stuck":
-        head = f"rank {ranks} has made no progress for {s.stall_s:.1f} s in phase '{s.phase}' (step {s.step}, allowance"
-        head += f" {s.allowance_s:g} s)" + ("; the other ranks wait for it" if len(states) > 1 else "")
-        advice = "data" if s.kind == "data" else "code" if s.user else "library"
-    elif advice == "divergent":
-        who = f": rank {ranks} took another path" if culprits else ""
-        head = f"the ranks diverged, they wait in different places{who}"
-    else:
-        head = f"every rank has waited {s.stall_s:.1f} s in the same place"
-    groups: dict[tuple, list[RankState]] = {}  # ranks in one place share a line, with the longest stall
-    for t in states:
-        where = f"phase '{t.phase}' (step {t.step})" if t.status == "running" else ""
-        groups.setdefault((where, _doing(t, culprits) if where else "finished"), []).append(t)
-    lines = [f"HangWatchdog: {head}."]
-    for (where, doing), group in groups.items():
-        stall = f"{where} for {max(t.stall_s for t in group):.0f} s: " if where else ""
-        lines.append(f"  rank {rank_ranges(t.rank for t in group)}: {stall}{doing}")
-    for t in (t for t in states if t.rank in culprits and t.stack):
-        lines += [f"Main-thread stack of rank {t.rank} (pid {t.pid} on {t.host}), most recent call last:", t.stack]
-    lines.append("What to look at: " + _ADVICE[advice].format(user=s.user, phase=s.phase, call=s.call) + ".")
-    end = f"Ending every rank with exit code {exit_code}: a blocked collective fails only at the group's timeout."
-    lines.append(end if exit_code else "Report only: the job goes on.")
-    return "\n".join(lines)
-
-
-def write_stderr(text: str) -> None:
-    """Write to file descriptor 2 (no Python lock a stuck thread may hold), a line at a time (ranks share a pipe)."""
-    with contextlib.suppress(OSError):
-        for line in text.splitlines(keepends=True):
-            os.write(2, line.encode(errors="replace"))
-
-
 class ProgressWatchdog:
     """Watch this rank's progress and every other rank's; report a rank that stops progressing, or end the job.
 
@@ -237,6 +129,8 @@ class ProgressWatchdog:
             watchdog.enter("step", step)
             train_step(batch)
         watchdog.stop()  # in a ``finally:``: after a verdict, a peer's exit makes the loop raise
+
+    A loop that counts its own progress needs no call per step: :meth:`follow` lets the thread read it.
 
     Args:
         timeout: seconds a phase may go without progress unless :meth:`enter` gives it another ``allowance``.
@@ -260,12 +154,40 @@ class ProgressWatchdog:
         self.report: HangReport | None = None  #: the latest verdict
         self.progress = Progress(0, "idle", None, self.timeout, time.monotonic())  #: what :meth:`enter` recorded
         self.rank, self.world_size, self._thread, self._ending = 0, 1, None, False
+        self._source: Callable[[], Position] | None = None
+        self._moved = (-1, 0.0)  # the source's count when the thread last saw it move, and when
         self._grace = 2 * self.interval + 0.5  # every rank reads a verdict within an interval: time to print it
 
     def enter(self, phase: str, step: int | None = None, allowance: float | None = None) -> None:
-        """The main thread starts ``phase`` (of ``step``), with ``allowance`` or ``timeout``: one assignment, no I/O."""
+        """The main thread starts ``phase`` (of ``step``), with ``allowance`` or ``timeout``: one assignment, no I/O.
+
+        With a source (:meth:`follow`) the phase holds until the source's count moves on.
+        """
         allowance = self.timeout if allowance is None else allowance
-        self.progress = Progress(self.progress.changes + 1, phase, step, allowance, time.monotonic())
+        position = 0 if self._source is None else self._source().count
+        self.progress = Progress(self.progress.changes + 1, phase, step, allowance, time.monotonic(), position)
+
+    def follow(self, source: Callable[[], Position] | None) -> None:
+        """Read progress from ``source`` (``None``: stop), from the watchdog's thread at every interval.
+
+        A loop whose counters tell where it is (Lightning's progress tracking) then costs no call per step; a move is
+        seen within an interval. :meth:`enter` still marks what the counters do not show (validation, a checkpoint).
+        """
+        self._source, self._moved = source, (-1, 0.0)
+
+    def current(self) -> Progress:
+        """The record the thread judges: the latest :meth:`enter`, or the source's position once it has moved past."""
+        return self._current(time.monotonic(), seen=False)
+
+    def _current(self, now: float, seen: bool = True) -> Progress:
+        event, source = self.progress, self._source
+        if source is None or (position := source()).count == event.position:
+            return event
+        if self._moved[0] != position.count:  # the thread times a move from when it first sees it
+            if not seen:
+                return Progress(event.changes, *position[1:], now, position.count)
+            self._moved = (position.count, now)
+        return Progress(event.changes, *position[1:], self._moved[1], position.count)
 
     def start(self, children: Sequence[Any] = ()) -> None:
         """Start watching, after ``init_process_group``; ``children``: launched ranks (``Popen``) to end with us."""
@@ -332,8 +254,9 @@ class ProgressWatchdog:
             self._handle(report)
 
     def _observe(self) -> RankState:
-        (seq, phase, step, allowance, since), now, where = self.progress, time.monotonic(), {}
-        stall = now - since
+        now, where = time.monotonic(), {}
+        changes, phase, step, allowance, since, position = self._current(now)
+        seq, stall = changes + position, now - since  # both grow as the rank moves on: ranks at one place agree
         if stall >= self.interval:  # frames are read only once the main thread sits still
             where = locate(self._main, with_stack=stall >= allowance / 2)
             if where["kind"] == "collective":

@@ -34,54 +34,56 @@ __all__ = ["BucketRounds"]
 class BucketRounds:
     """The synchronised backward passes of one DDP model and the bucket layout each reduced, resolved lazily.
 
+    The owner counts the rounds (one integer per backward, ``HookCommStats.rounds``) and passes its count when it
+    reads: which layout each round used follows from its number.
+
     Args:
         ddp: the wrapped model, before its first backward.
+        rounds: the owner's round count now (this model's first round is the next one).
     """
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
+    def __init__(self, ddp: DistributedDataParallel, rounds: int = 0) -> None:
         self._ddp: DistributedDataParallel | None = ddp
         initial = ddp_bucket_sizes(ddp, rebuilt=False)
         assert initial is not None  # set at construction
         self._sizes: list[tuple[int, ...] | None] = [initial, None]
         rebuilds = ddp.static_graph or not ddp.find_unused_parameters
         self._rebuild_round = (3 if ddp.static_graph else 2) if rebuilds else None
-        self._rounds = 0
-        #: Rounds not folded into totals yet, with the construction layout and with the rebuilt one.
-        self.pending = [0, 0]
-        self._popped = [0, 0]  # rounds at the previous pop of the elapsed and of the exposed time
+        self._start = self._folded = rounds  # the owner's count at this model's start, and at the last fold
+        self._popped = [rounds, rounds]  # the owner's count at the previous pop of the elapsed and of the exposed time
 
-    def count(self) -> None:
-        """One synchronised backward finished (its buckets all-reduced)."""
-        self._rounds += 1
-        rebuilt = self._rebuild_round is not None and self._rounds >= self._rebuild_round
-        self.pending[rebuilt] += 1
+    def pending(self, rounds: int) -> tuple[int, int]:
+        """Rounds not folded yet (``rounds``: the owner's count), with the construction layout and the rebuilt one."""
+        before = rounds if self._rebuild_round is None else min(rounds, self._start + self._rebuild_round - 1)
+        initial = max(0, before - self._folded)
+        return initial, rounds - self._folded - initial
 
-    def fold(self) -> tuple[int, int]:
+    def fold(self, rounds: int) -> tuple[int, int]:
         """``(calls, bytes)`` of the pending rounds, which are forgotten."""
         calls = nbytes = 0
-        for layout, rounds in enumerate(self.pending):
-            if rounds:
+        for layout, count in enumerate(self.pending(rounds)):
+            if count:
                 sizes = self._layout(layout)
-                calls, nbytes = calls + rounds * len(sizes), nbytes + rounds * sum(sizes)
-        self.pending = [0, 0]
+                calls, nbytes = calls + count * len(sizes), nbytes + count * sum(sizes)
+        self._folded = rounds
         return calls, nbytes
 
-    def pop_sampled_s(self, exposed: bool = False) -> float:
+    def pop_sampled_s(self, rounds: int, exposed: bool = False) -> float:
         """Seconds of communication (``exposed``: of it not hidden by the backward) in the rounds since the last pop.
 
         Estimated from DDP's latest sampled round (0.0 before its first sample, or once the model is released). Reads
         DDP's logging data: call it at logging steps only.
         """
-        rounds, self._popped[exposed] = self._rounds - self._popped[exposed], self._rounds
-        sample = ddp_sampled_round(self._ddp) if rounds and self._ddp is not None else None
+        count, self._popped[exposed] = rounds - self._popped[exposed], rounds
+        sample = ddp_sampled_round(self._ddp) if count and self._ddp is not None else None
         if sample is None:
             return 0.0
         _, comm_s, overlap_s = sample
-        return rounds * (max(0.0, comm_s - overlap_s) if exposed else comm_s)
+        return count * (max(0.0, comm_s - overlap_s) if exposed else comm_s)
 
-    def release(self) -> tuple[int, int]:
+    def release(self, rounds: int) -> tuple[int, int]:
         """Fold the pending rounds and drop the model (the fit ends, or a comm hook counts from now on)."""
-        folded = self.fold()
+        folded = self.fold(rounds)
         self._ddp = None
         return folded
 

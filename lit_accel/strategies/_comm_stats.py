@@ -117,20 +117,19 @@ class HookCommStats(_Totals):
 
     def count_round(self) -> None:
         """A synchronised backward ended while no hook counts (``bucket_rounds``): its buckets, counted lazily."""
-        self.rounds += 1
-        self.bucket_rounds.count()
+        self.rounds += 1  # the layout each round used follows from its number, when read
 
     def release_rounds(self) -> None:
         """Fold the rounds counted without a hook and stop counting that way (the fit ends, or a hook counts now)."""
         rounds, self.bucket_rounds = self.bucket_rounds, None
         if rounds is not None:
-            calls, nbytes = rounds.release()
+            calls, nbytes = rounds.release(self.rounds)
             self._calls, self._bytes = self._calls + calls, self._bytes + nbytes
 
     def _fold(self) -> None:
         rounds = self.bucket_rounds
-        if rounds is not None and (rounds.pending[0] or rounds.pending[1]):
-            calls, nbytes = rounds.fold()
+        if rounds is not None and any(rounds.pending(self.rounds)):
+            calls, nbytes = rounds.fold(self.rounds)
             self._calls, self._bytes = self._calls + calls, self._bytes + nbytes
 
     def pop_elapsed_s(self) -> float:
@@ -149,7 +148,7 @@ class HookCommStats(_Totals):
         for start, end in cuda:
             start.synchronize()
             end.synchronize()
-        sampled = self.bucket_rounds.pop_sampled_s() if self.bucket_rounds is not None else 0.0
+        sampled = self.bucket_rounds.pop_sampled_s(self.rounds) if self.bucket_rounds is not None else 0.0
         return sampled + elapsed + _union_length(cpu) + _union_length(_cuda_spans(cuda))
 
     def pop_exposed_s(self) -> float:
@@ -165,7 +164,7 @@ class HookCommStats(_Totals):
             done = [r for r in self._rounds if r is not self._open_round]
             self._rounds = [r for r in self._rounds if r is self._open_round]
             exposed, self._folded_exposed_s = self._folded_exposed_s, 0.0
-        sampled = self.bucket_rounds.pop_sampled_s(exposed=True) if self.bucket_rounds is not None else 0.0
+        sampled = self.bucket_rounds.pop_sampled_s(self.rounds, exposed=True) if self.bucket_rounds is not None else 0.0
         return sampled + exposed + sum(r.exposed_s() for r in done)
 
     def start(self, device: torch.device) -> Any:

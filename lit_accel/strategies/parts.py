@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lit_accel.callbacks.hang_watchdog import HangWatchdog, add_hang_watchdog
+from lit_accel.callbacks.hang_watchdog import add_hang_watchdog
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
 from lit_accel.strategies._batch_planner import BatchPlanner
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
@@ -110,7 +110,6 @@ class AccelParts:
         #: Micro-batching of the running fit (``None``: loaded batches run whole).
         self.micro: MicroBatching | None = None
         self._trainer: pl.Trainer | None = None  # the strategy's hooks do not receive it
-        self._marks: HangWatchdog | None = None  # the fit's watchdog, when its batch starts are ours to mark
         self._automatic = True  # the module's automatic_optimization, read once per fit
 
     @property
@@ -165,12 +164,10 @@ class AccelParts:
         different data. ``splits_batches``: the strategy runs the plan's micro-batches itself, which must then be equal
         (a pipeline schedule), in ``micro_batches`` per loaded batch if given; no ``MicroBatching`` then.
         """
-        self._trainer, self._marks = trainer, None
+        self._trainer = trainer
         if trainer.state.fn != TrainerFn.FITTING:
             return None
-        watchdog = add_hang_watchdog(trainer, self.hang_timeout)  # report-only unless hang_timeout is set
-        # A batch's start marked from our training_step, not through a callback hook (Lightning's dispatch is the cost).
-        self._marks = watchdog if watchdog.mark_steps() else None
+        add_hang_watchdog(trainer, self.hang_timeout)  # report-only unless hang_timeout is set
         device, module = strategy.root_device, strategy.lightning_module
         self._automatic = module is None or module.automatic_optimization
         plan = self.planner.resolve(trainer, data_parallel_size=data_parallel_size, group=group, device=device,
@@ -197,9 +194,8 @@ class AccelParts:
         """The strategy's ``training_step``: the loaded batch counted and run, whole or as micro-batches."""
         trainer = self._trainer
         assert trainer is not None
-        if self._marks is not None:
-            self._marks.batch_started()
-        self.planner.check_reload(trainer)  # a reloaded train dataloader must fit the plan
+        if self.planner.plan is not None:
+            self.planner.check_reload(trainer)  # a reloaded train dataloader must fit the plan
         self.window.batch_started()
         if self.micro is None:
             return step(*args, **kwargs)

@@ -18,6 +18,7 @@ asked (``hang_timeout=``), and the strategies' default never ends a healthy job.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -35,6 +36,7 @@ from lit_accel.callbacks.hang_watchdog import REPORT_AFTER_S, HangWatchdog, add_
 from lit_accel.meters.progress_watchdog import (
     HANG_EXIT_CODE,
     HangReport,
+    Position,
     ProgressWatchdog,
     RankState,
     format_report,
@@ -452,6 +454,27 @@ def test_world_size_one_still_reports_its_own_stall(capfd):
     assert "the other ranks wait" not in err and "running your code at tests/callbacks/test_hang_watchdog.py" in err
 
 
+def test_a_followed_source_moves_the_record_and_an_event_holds_until_the_source_moves_on():
+    count = [0]  # a loop's own counter (Lightning's: its batch progress); the thread reads it once per interval
+    watchdog = ProgressWatchdog(5.0)
+    watchdog.follow(lambda: Position(count[0], "step" if count[0] % 2 else "data", count[0] // 2, 5.0))
+    watchdog.enter("setup", allowance=50.0)
+    assert watchdog.current()[1:4] == ("setup", None, 50.0)  # no move since the event: the event holds
+    count[0] = 3
+    moved = watchdog.current()
+    assert (moved.phase, moved.step, moved.allowance_s, moved.changes + moved.position) == ("step", 1, 5.0, 4)
+    watchdog.enter("checkpoint", 1, 500.0)  # what the counters do not show, at the same count
+    assert watchdog.current()[1:4] == ("checkpoint", 1, 500.0)
+    count[0] = 4
+    assert watchdog.current()[1:4] == ("data", 2, 5.0)
+    # The thread times a move from when it first saw it, and keeps that start while the count stands still.
+    assert watchdog._current(100.0).started == 100.0 and watchdog._current(160.0).started == 100.0
+    count[0] = 5
+    assert watchdog._current(170.0).started == 170.0
+    watchdog.follow(None)
+    assert watchdog.current().phase == "checkpoint"  # without a source: the events alone
+
+
 @pytest.mark.slow
 def test_raw_pytorch_loop_under_torchrun_ends_every_rank_with_the_hang_exit_code(slow_jobs):
     """No Lightning, an external launcher (torchrun's agent hosts the store and stops the job when a rank fails)."""
@@ -535,33 +558,6 @@ def test_lightning_watchdog_appended_by_a_ddp_strategy_in_setup_finds_a_stuck_da
         assert result["steps"] == 4 and not result["running_after_fit"]  # the fit finished; the thread stopped
 
 
-class _Recorder:
-    """A callback after HangWatchdog that records what it set in each hook: (hook, phase, step, allowance)."""
-
-    def __new__(cls, watchdog: HangWatchdog) -> Any:
-        import lightning.pytorch as pl
-
-        def record(name: str) -> Any:
-            def hook(self: Any, trainer: Any, *args: Any) -> None:
-                p = watchdog.watchdog.progress
-                self.seen.append((name, p.phase, p.step, p.allowance_s, watchdog.watchdog._thread is not None))
-
-            return hook
-
-        hooks = [
-            "on_sanity_check_start",
-            "on_train_batch_start",
-            "on_train_batch_end",
-            "on_validation_batch_start",
-            "on_validation_end",
-            "on_save_checkpoint",
-        ]
-        recorder_cls = type("Recorder", (pl.Callback,), {h: record(h) for h in hooks})
-        recorder = recorder_cls()
-        recorder.seen = []
-        return recorder
-
-
 def _tiny_fit(callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> Any:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -584,44 +580,107 @@ def _tiny_fit(callbacks: list[Any], tmp_path: Path, **kwargs: Any) -> Any:
     return trainer
 
 
-def test_lightning_hooks_map_to_phases_with_their_allowances(tmp_path):
+def _record_hook(phases: _Phases, where: str, *args: Any, **kwargs: Any) -> None:
+    phases.record(where)
+
+
+class _Phases:
+    """Records what the watchdog's thread would judge (``current()``) at points of a fit: where, phase, step, allowance.
+
+    Points: the dataset's ``__getitem__`` ("fetch"), callback hooks, and the module's ``on_train_batch_end`` (after
+    every callback's, a checkpoint saved there included). Also checks that the published ``seq`` never goes back.
+    """
+
+    def __init__(self, watchdog: HangWatchdog) -> None:
+        self.watchdog, self.seen, self.seqs = watchdog, [], []
+
+    def record(self, where: str) -> None:
+        p = self.watchdog.watchdog.current()
+        if self.watchdog.watchdog._thread is not None:  # watched: between on_fit_start and on_train_end
+            self.seen.append((where, p.phase, p.step, p.allowance_s))
+            self.seqs.append(p.changes + p.position)
+
+    def callback(self) -> Any:
+        import lightning.pytorch as pl
+
+        hooks = ["on_sanity_check_start", "on_train_batch_start", "on_before_optimizer_step",
+                 "on_validation_batch_start", "on_validation_end", "on_save_checkpoint"]  # fmt: skip
+        return type("Recorder", (pl.Callback,), {h: functools.partial(_record_hook, self, h) for h in hooks})()
+
+    def fit(self, tmp_path: Path, strategy: Any = "auto", ckpt_path: Any = None, **kwargs: Any) -> Any:
+        import lightning.pytorch as pl
+        from torch.utils.data import DataLoader, Dataset
+
+        from tests.helpers import BNModel
+
+        record = self.record
+
+        class Recorded(Dataset):
+            def __len__(self) -> int:
+                return 16
+
+            def __getitem__(self, i: int) -> Any:
+                if i % 4 == 0:  # once per batch of 4
+                    record("fetch")
+                return torch.full((8,), float(i)), torch.zeros(4)
+
+        class Model(BNModel):
+            def on_train_batch_end(self, *args: Any) -> None:
+                record("module.on_train_batch_end")
+
+        checkpoints = pl.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=1, save_top_k=-1)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, default_root_dir=tmp_path, logger=False,
+                             callbacks=[self.watchdog, self.callback(), checkpoints], enable_progress_bar=False,
+                             enable_model_summary=False, **kwargs)  # fmt: skip
+        data = DataLoader(Recorded(), batch_size=4)
+        trainer.fit(Model(), data, DataLoader(Recorded(), batch_size=4), ckpt_path=ckpt_path)
+        assert self.seqs == sorted(self.seqs), self.seqs  # ranks compare it: the smallest is furthest behind
+        return trainer
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "accel_ddp"])
+def test_the_training_loops_counters_and_hooks_give_the_phases_and_their_allowances(tmp_path, strategy):
     watchdog = HangWatchdog(7.0, first_step_timeout=70.0, validation_timeout=700.0, checkpoint_timeout=7000.0)
-    recorder = _Recorder(watchdog)
-    _tiny_fit(
-        [watchdog, recorder], tmp_path, max_steps=3, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=2
-    )
-    seen = [(hook, phase, step, allowance) for hook, phase, step, allowance, running in recorder.seen if running]
-    assert len(seen) == len(recorder.seen)  # watched throughout the fit
-    assert seen[:2] == [
+    phases = _Phases(watchdog)
+    phases.fit(tmp_path, strategy, max_steps=3, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=2)
+    fetches = [(phase, step, allowance) for where, phase, step, allowance in phases.seen if where == "fetch"]
+    seen = [row for row in phases.seen if row[0] != "fetch"]
+    assert seen[:3] == [
         ("on_sanity_check_start", "setup", 0, 70.0),
         ("on_validation_batch_start", "sanity_check", 0, 700.0),
+        ("on_validation_end", "data", 0, 70.0),  # after the sanity check: still the first step's allowance
     ]
-    assert seen[2] == ("on_validation_end", "data", 0, 70.0)  # after the sanity check: still the first step's
-    first_step = [
+    assert seen[3:7] == [
         ("on_train_batch_start", "training_step", 0, 70.0),
-        ("on_train_batch_end", "data", 1, 7.0),
+        ("on_before_optimizer_step", "training_step", 0, 70.0),
+        ("on_save_checkpoint", "checkpoint", 1, 7000.0),  # ModelCheckpoint saves in on_train_batch_end
+        ("module.on_train_batch_end", "checkpoint", 1, 7000.0),  # until the loop moves on
     ]
-    assert seen[3:5] == first_step
-    assert ("on_train_batch_start", "training_step", 1, 7.0) in seen  # later steps: the training timeout
+    assert seen[7:9] == [
+        ("on_train_batch_start", "training_step", 1, 7.0),
+        ("on_before_optimizer_step", "training_step", 1, 7.0),
+    ]
     assert ("on_validation_batch_start", "validation", 2, 700.0) in seen
-    assert ("on_save_checkpoint", "checkpoint", 2, 7000.0) in seen or (
-        "on_save_checkpoint",
-        "checkpoint",
-        3,
-        7000.0,
-    ) in seen
+    assert [row for row in seen if row[0] == "on_validation_end"][-1] == ("on_validation_end", "data", 2, 7.0)
+    # A training fetch runs in "data" (the first with the first step's allowance), a validation one in its loop's.
+    assert fetches == [
+        ("sanity_check", 0, 700.0),
+        ("data", 0, 70.0),
+        ("data", 1, 7.0),  # not the checkpoint's: the batch before completed
+        ("validation", 2, 700.0),
+        ("data", 2, 7.0),
+    ], fetches
     assert watchdog.watchdog._thread is None and watchdog.report is None
 
 
-def test_a_resumed_fit_marks_its_first_step_with_the_restored_global_step(tmp_path):
+def test_a_resumed_fit_counts_its_first_step_from_the_restored_counters(tmp_path):
     trainer = _tiny_fit([HangWatchdog(7.0)], tmp_path, max_steps=2, limit_val_batches=0)
     checkpoint = tmp_path / "two_steps.ckpt"
     trainer.save_checkpoint(checkpoint)
-    watchdog = HangWatchdog(7.0, first_step_timeout=70.0)
-    recorder = _Recorder(watchdog)
-    _tiny_fit([watchdog, recorder], tmp_path, max_steps=3, limit_val_batches=0, ckpt_path=checkpoint)
-    steps = [(hook, step) for hook, _, step, _, _ in recorder.seen if hook.startswith("on_train_batch")]
-    assert steps == [("on_train_batch_start", 2), ("on_train_batch_end", 3)]
+    phases = _Phases(HangWatchdog(7.0, first_step_timeout=70.0))
+    phases.fit(tmp_path / "resumed", max_steps=4, limit_val_batches=0, ckpt_path=checkpoint)
+    steps = [(step, allowance) for where, _, step, allowance in phases.seen if where == "on_train_batch_start"]
+    assert steps == [(2, 70.0), (3, 7.0)]
 
 
 def test_slow_first_step_validation_and_checkpoint_within_their_allowances_raise_no_alarm(tmp_path):
