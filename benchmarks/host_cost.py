@@ -57,6 +57,7 @@ from typing import Any
 import _common
 import _lockstep
 import torch
+from _host_cost_report import acceptance, row, tables
 
 MONITORS = ("loss_scale", "efficiency", "memory")
 #: arm -> (baseline it is compared with, the arm it adds one thing to, or None)
@@ -73,8 +74,6 @@ ARMS: dict[str, tuple[str | None, str | None]] = {
     "full": ("ddp_fp16", "accel_fp16"),
 }
 _KEYS = ("cpu_ms", "wall_ms", "cpu_mean_ms", "wall_mean_ms")
-#: The issue's acceptance: (arm, baseline, most ms of CPU per step it may add).
-LIMITS = (("accel_fp16", "ddp_fp16", 0.10), ("full", "ddp_fp16", 0.25), ("accel_ddp", "ddp", 0.05))
 
 
 def build(arm: str) -> tuple[Any, list[Any], list[Any]]:
@@ -252,18 +251,7 @@ def measure_paired(args: Any, world_size: int) -> dict[str, Any]:
         for name in ranks[0]
     }  # fmt: skip
     per_rank = {name: [[round(x["cpu_ms"], 4) for x in r[name]] for r in ranks] for name in ranks[0]}
-    return {"differences": differences, "acceptance": _acceptance(differences), "per_rank_cpu_ms": per_rank}
-
-
-def _acceptance(differences: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for arm, ref, limit in LIMITS:
-        d = differences.get(f"{arm} - {ref}")
-        if d is not None:
-            added = d["cpu_ms"]
-            out.append({"arm": arm, "baseline": ref, "limit_ms": limit, "added_cpu_ms": added["median"],
-                        "iqr_ms": added["iqr"], "met": added["median"] <= limit})  # fmt: skip
-    return out
+    return {"differences": differences, "acceptance": acceptance(differences), "per_rank_cpu_ms": per_rank}
 
 
 def profile_worker(rank: int, world_size: int, args: Any) -> dict[str, Any]:
@@ -287,8 +275,12 @@ def measure(args: Any, world_size: int) -> dict[str, Any]:
                     for key in _KEYS
                 }
     per_rank = {arm: [[round(x["cpu_ms"], 4) for x in r[arm]] for r in ranks] for arm in args.arms}
-    acceptance = _acceptance(differences)
-    return {"arms": arms, "differences": differences, "acceptance": acceptance, "per_rank_cpu_ms": per_rank}
+    return {
+        "arms": arms,
+        "differences": differences,
+        "acceptance": acceptance(differences),
+        "per_rank_cpu_ms": per_rank,
+    }
 
 
 def profile(args: Any) -> dict[str, Any]:
@@ -314,52 +306,12 @@ def profile(args: Any) -> dict[str, Any]:
             own_top = sorted(extra.items(), key=lambda kv: -kv[1][1])[: args.top]
             ours = sorted(((n, v) for n, v in extra.items() if n.startswith("lit_accel/") and v[0] > 0.005),
                           key=lambda kv: -kv[1][2])[: args.top]  # fmt: skip
-            entry["extra_own_time"] = [_row(n, v) for n, v in own_top if v[1] > 0.5]
+            entry["extra_own_time"] = [row(n, v) for n, v in own_top if v[1] > 0.5]
             by_calls = sorted(extra.items(), key=lambda kv: -kv[1][0])[: 2 * args.top]
-            entry["extra_calls"] = [_row(n, v) for n, v in by_calls if v[0] > 0.005]
-            entry["lit_accel_cumulative"] = [_row(n, v) for n, v in ours]
+            entry["extra_calls"] = [row(n, v) for n, v in by_calls if v[0] > 0.005]
+            entry["lit_accel_cumulative"] = [row(n, v) for n, v in ours]
         out[arm] = entry
     return out
-
-
-def _row(name: str, values: tuple[float, float, float]) -> dict[str, Any]:
-    return {"function": name, "extra_calls_per_step": round(values[0], 2), "extra_own_us": round(values[1], 1),
-            "cumulative_us": round(values[2], 1)}  # fmt: skip
-
-
-def _span(s: dict[str, float]) -> str:
-    return f"{s['q1']:+.3f} .. {s['q3']:+.3f}"
-
-
-def tables(result: dict[str, Any]) -> str:
-    text = f"Measured {result['machine']['date_utc']} UTC, load average {result['machine']['load_average_1_5_15_min']}"
-    text += f" -> {result['load_average_after']} ({result['note']}).\n"
-    for world_size, run in result.get("world_sizes", {}).items():
-        text += f"\n**{world_size} process(es)**: ms per optimizer step, median over repetitions (IQR).\n\n"
-        if "arms" in run:  # --design sequential
-            rows = [[arm, f"{a['cpu_ms']['median']:.3f}", f"{a['cpu_ms']['iqr']:.3f}", f"{a['wall_ms']['median']:.3f}",
-                     f"{a['wall_ms']['iqr']:.3f}"] for arm, a in run["arms"].items()]  # fmt: skip
-            text += _common.markdown_table(["arm", "CPU", "IQR", "wall", "IQR"], rows) + "\n"
-            rows = [[name, f"{d['cpu_ms']['median']:+.3f}", _span(d["cpu_ms"]), f"{d['wall_ms']['median']:+.3f}",
-                     _span(d["wall_ms"])] for name, d in run["differences"].items()]  # fmt: skip
-            text += _common.markdown_table(["difference", "CPU", "IQR", "wall", "IQR"], rows) + "\n"
-        else:
-            rows = [[name, f"{d['cpu_ms']['median']:+.4f}", _span(d["cpu_ms"]), f"{d['arm_cpu_ms']['median']:.3f}",
-                     f"{d['ref_cpu_ms']['median']:.3f}"] for name, d in run["differences"].items()]  # fmt: skip
-            header = ["pair (run in turns)", "CPU added", "IQR", "arm CPU", "reference CPU"]
-            text += _common.markdown_table(header, rows) + "\n"
-        rows = [[f"{a['arm']} - {a['baseline']}", f"<= {a['limit_ms']:.2f}", f"{a['added_cpu_ms']:+.3f}",
-                 f"{a['iqr_ms']:.3f}", "yes" if a["met"] else "no"] for a in run["acceptance"]]  # fmt: skip
-        text += _common.markdown_table(["acceptance", "limit (ms CPU)", "added", "IQR", "met"], rows)
-    for arm, p in result.get("profile", {}).items():
-        text += f"\n**profile {arm}**: {p['python_calls_per_step']} Python calls, {p['aten_ops_per_step']} ATen ops"
-        text += f" per step; over its baseline {p.get('extra_python_calls_per_step', 0):+} calls,"
-        text += f" ops {p.get('extra_aten_ops', {})}\n"
-        rows = [[r["function"], r["extra_calls_per_step"], r["extra_own_us"], r["cumulative_us"]]
-                for r in p.get("lit_accel_cumulative", [])]  # fmt: skip
-        if rows:
-            text += "\n" + _common.markdown_table(["lit_accel function", "extra calls/step", "own us", "cum us"], rows)
-    return text
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
