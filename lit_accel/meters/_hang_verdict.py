@@ -20,7 +20,7 @@ class RankState:
     """What one rank publishes every interval: its progress and, once its main thread sits still, where it is."""
 
     rank: int
-    seq: int  # phase changes so far: ranks running the same program agree, so the smallest is furthest behind
+    seq: int  # marks plus the source's count: ranks running the same program agree; the smallest is furthest behind
     phase: str
     step: int | None
     stall_s: float  # seconds without progress
