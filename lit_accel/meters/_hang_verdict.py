@@ -56,19 +56,19 @@ class HangReport:
 
 def judge(states: dict[int, RankState], quiet_s: float) -> HangReport | None:
     """The verdict, from states in rank order; ``quiet_s``: seconds since any rank's progress or place changed."""
-
-    def report(verdict: Any, blamed: Any) -> HangReport:  # stacks of the blamed ranks only: every rank reads it
-        kept = tuple(s if s.rank in blamed else replace(s, stack=None) for s in states.values())
-        return HangReport(verdict, tuple(sorted(blamed)), kept)
-
     live = [s for s in states.values() if s.status == "running"]
     if not live or any(s.kind == "debugger" for s in live):
         return None
     running = [s for s in live if s.kind != "collective"]
     if stuck := [s for s in running if s.overdue]:  # several: the furthest behind (a device hang stalls the others)
-        return report("stuck", [s.rank for s in stuck if s.seq == min(t.seq for t in stuck)])
+        return _report(states, "stuck", [s.rank for s in stuck if s.seq == min(t.seq for t in stuck)])
     if running:
         return None  # a rank within its allowance: the others legitimately wait for it
+    return _waiting(states, live, quiet_s)
+
+
+def _waiting(states: dict[int, RankState], live: list[RankState], quiet_s: float) -> HangReport | None:
+    """Every live rank waits in a collective: divergent (in different places) or waiting, once quiet long enough."""
     places: dict[tuple, list[int]] = {}
     for s in states.values():
         places.setdefault((s.kind, s.phase, s.call, s.site) if s.status == "running" else (), []).append(s.rank)
@@ -79,7 +79,13 @@ def judge(states: dict[int, RankState], quiet_s: float) -> HangReport | None:
         return None
     smallest = min(len(ranks) for ranks in places.values())
     blamed = [r for ranks in places.values() if len(ranks) == smallest for r in ranks] if len(places) > 1 else []
-    return report("divergent" if blamed else "waiting", () if len(blamed) == len(states) else blamed)
+    return _report(states, "divergent" if blamed else "waiting", () if len(blamed) == len(states) else blamed)
+
+
+def _report(states: dict[int, RankState], verdict: Any, blamed: Any) -> HangReport:
+    """The verdict with the stacks of the blamed ranks only: every rank reads it."""
+    kept = tuple(s if s.rank in blamed else replace(s, stack=None) for s in states.values())
+    return HangReport(verdict, tuple(sorted(blamed)), kept)
 
 
 def rank_ranges(ranks: Any) -> str:
@@ -111,31 +117,42 @@ _ADVICE = {
 
 def format_report(report: HangReport, exit_code: int | None) -> str:
     """The report the ranks concerned print; ``exit_code`` None when the job goes on."""
-    culprits, states, ranks = report.culprits, report.states, rank_ranges(report.culprits)
-    s, advice = next((t for t in states if t.rank in culprits), states[0]), report.verdict
-    if advice == "stuck":
-        head = f"rank {ranks} has made no progress for {s.stall_s:.1f} s in phase '{s.phase}' (step {s.step}, allowance"
-        head += f" {s.allowance_s:g} s)" + ("; the other ranks wait for it" if len(states) > 1 else "")
-        advice = "data" if s.kind == "data" else "code" if s.user else "library"
-    elif advice == "divergent":
-        who = f": rank {ranks} took another path" if culprits else ""
-        head = f"the ranks diverged, they wait in different places{who}"
-    else:
-        head = f"every rank has waited {s.stall_s:.1f} s in the same place"
-    groups: dict[tuple, list[RankState]] = {}  # ranks in one place share a line, with the longest stall
-    for t in states:
-        where = f"phase '{t.phase}' (step {t.step})" if t.status == "running" else ""
-        groups.setdefault((where, _doing(t, culprits) if where else "finished"), []).append(t)
-    lines = [f"HangWatchdog: {head}."]
-    for (where, doing), group in groups.items():
-        stall = f"{where} for {max(t.stall_s for t in group):.0f} s: " if where else ""
-        lines.append(f"  rank {rank_ranges(t.rank for t in group)}: {stall}{doing}")
+    culprits, states = report.culprits, report.states
+    s = next((t for t in states if t.rank in culprits), states[0])
+    head, advice = _headline(report, s)
+    lines = [f"HangWatchdog: {head}.", *_rank_lines(states, culprits)]
     for t in (t for t in states if t.rank in culprits and t.stack):
         lines += [f"Main-thread stack of rank {t.rank} (pid {t.pid} on {t.host}), most recent call last:", t.stack]
     lines.append("What to look at: " + _ADVICE[advice].format(user=s.user, phase=s.phase, call=s.call) + ".")
     end = f"Ending every rank with exit code {exit_code}: a blocked collective fails only at the group's timeout."
     lines.append(end if exit_code else "Report only: the job goes on.")
     return "\n".join(lines)
+
+
+def _rank_lines(states: tuple[RankState, ...], culprits: tuple[int, ...]) -> list[str]:
+    """A line per place: the ranks there, the longest stall and what they do (ranks in one place share it)."""
+    groups: dict[tuple, list[RankState]] = {}
+    for t in states:
+        where = f"phase '{t.phase}' (step {t.step})" if t.status == "running" else ""
+        groups.setdefault((where, _doing(t, culprits) if where else "finished"), []).append(t)
+    lines = []
+    for (where, doing), group in groups.items():
+        stall = f"{where} for {max(t.stall_s for t in group):.0f} s: " if where else ""
+        lines.append(f"  rank {rank_ranges(t.rank for t in group)}: {stall}{doing}")
+    return lines
+
+
+def _headline(report: HangReport, s: RankState) -> tuple[str, str]:
+    """The report's first line and its advice's key, from the verdict and ``s`` (the first blamed rank, or rank 0)."""
+    ranks = rank_ranges(report.culprits)
+    if report.verdict == "stuck":
+        head = f"rank {ranks} has made no progress for {s.stall_s:.1f} s in phase '{s.phase}' (step {s.step}, allowance"
+        head += f" {s.allowance_s:g} s)" + ("; the other ranks wait for it" if len(report.states) > 1 else "")
+        return head, "data" if s.kind == "data" else "code" if s.user else "library"
+    if report.verdict == "divergent":
+        who = f": rank {ranks} took another path" if report.culprits else ""
+        return f"the ranks diverged, they wait in different places{who}", "divergent"
+    return f"every rank has waited {s.stall_s:.1f} s in the same place", "waiting"
 
 
 def write_stderr(text: str) -> None:
