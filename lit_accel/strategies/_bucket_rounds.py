@@ -52,8 +52,12 @@ class BucketRounds:
         self._start = self._folded = rounds  # the owner's count at this model's start, and at the last fold
         self._popped = [rounds, rounds]  # the owner's count at the previous pop of the elapsed and of the exposed time
 
-    def pending(self, rounds: int) -> tuple[int, int]:
-        """Rounds not folded yet (``rounds``: the owner's count), with the construction layout and the rebuilt one."""
+    def pending(self, rounds: int) -> bool:
+        """Whether rounds are not folded yet (``rounds``: the owner's count)."""
+        return rounds > self._folded
+
+    def _unfolded(self, rounds: int) -> tuple[int, int]:
+        """The rounds not folded yet, with the construction layout and with the rebuilt one."""
         before = rounds if self._rebuild_round is None else min(rounds, self._start + self._rebuild_round - 1)
         initial = max(0, before - self._folded)
         return initial, rounds - self._folded - initial
@@ -61,7 +65,7 @@ class BucketRounds:
     def fold(self, rounds: int) -> tuple[int, int]:
         """``(calls, bytes)`` of the pending rounds, which are forgotten."""
         calls = nbytes = 0
-        for layout, count in enumerate(self.pending(rounds)):
+        for layout, count in enumerate(self._unfolded(rounds)):
             if count:
                 sizes = self._layout(layout)
                 calls, nbytes = calls + count * len(sizes), nbytes + count * sum(sizes)

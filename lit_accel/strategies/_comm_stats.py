@@ -128,7 +128,7 @@ class HookCommStats(_Totals):
 
     def _fold(self) -> None:
         rounds = self.bucket_rounds
-        if rounds is not None and any(rounds.pending(self.rounds)):
+        if rounds is not None and rounds.pending(self.rounds):
             calls, nbytes = rounds.fold(self.rounds)
             self._calls, self._bytes = self._calls + calls, self._bytes + nbytes
 

@@ -183,9 +183,8 @@ class AccelDDP(DDPStrategy):
         stats = self._comm_stats
         stats.release_rounds()  # a model of an earlier fit
         if self._comm_hook is None and self._comm_wrapper is None:
-            stats.bucket_rounds = BucketRounds(
-                self.model, stats.rounds
-            )  # DDP's C++ all-reduce; on_train_start may add the hook
+            # DDP's C++ all-reduce, counted from the strategy's backward; on_train_start may add the timing hook.
+            stats.bucket_rounds = BucketRounds(self.model, stats.rounds)
             # DDP times a round in C++ every this many rounds: a fresh sample for each logging window's estimate (on
             # CUDA, one host sync per sample instead of per 100 rounds; docs/strategies.md). Not logging: torch's rate.
             trainer = self.parts.trainer
