@@ -121,12 +121,13 @@ class BatchPlanner:
             elif plan is not None and planned.micro_batch_size < plan.loaded_batch_size:
                 self.plan = plan.with_micro_batch_size(planned.micro_batch_size)  # an "auto" choice stays
 
-    def choose_micro_batch_size(self, size: int) -> BatchPlan | None:
-        """Record the micro-batch ``"auto"`` chose (the same int on every rank) and announce it once."""
+    def choose_micro_batch_size(self, size: int, report: str | None = None) -> BatchPlan | None:
+        """Record the micro-batch ``"auto"`` chose (the same int on every rank); announce it once, with ``report``."""
         if self.plan is not None:
             self.plan = self.plan.with_micro_batch_size(size)
         described = f"; {self.plan.describe()}" if self.plan is not None else ""
-        rank_zero_info(f"{self.owner}: micro_batch_size='auto' chose {size}{described}")
+        tried = f" ({report})" if report else ""
+        rank_zero_info(f"{self.owner}: micro_batch_size='auto' chose {size}{tried}{described}")
         return self.plan
 
     def _read(self, trainer: pl.Trainer, first: bool = True) -> BatchPlan | None:

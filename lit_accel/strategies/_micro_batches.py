@@ -4,7 +4,8 @@ The global batch fixes what an optimizer step sees, so the micro-batch is free t
 training: a loaded batch of ``n`` samples runs as chunks of ``size`` along dim 0, each loss weighted by its share of
 the ``n`` samples, gradients kept local on every chunk but the last (whose backward Lightning runs, synchronised).
 ``"auto"`` chooses the size on the first loaded batch of a fit (``_micro_batch_search``), before the first optimizer
-step, and keeps it; an out-of-memory error later ends the job with a message naming the next smaller size.
+step, keeping only a size that has run; an out-of-memory error later ends the job with a message naming the next
+smaller size (in a trial of the search: the largest size that ran).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from torch import Tensor
     from torch.optim import Optimizer
 
-__all__ = ["MicroBatchHost", "MicroBatching", "split_batch"]
+__all__ = ["LocalAttemptHost", "MicroBatchHost", "MicroBatching", "split_batch"]
 
 
 @runtime_checkable
@@ -55,6 +56,14 @@ class MicroBatchHost(Protocol):
 
     def forward_collective(self) -> str | None:
         """What makes a collective in the model's forward (``"auto"`` then measures instead of attempting), or None."""
+
+
+@runtime_checkable
+class LocalAttemptHost(Protocol):
+    """A strategy whose forward makes collectives that it can switch off for ``"auto"``'s attempts (AccelFSDP)."""
+
+    def without_collectives(self) -> AbstractContextManager[Callable[[], None]] | None:
+        """A block without collectives, giving a ``reset`` to call after each attempt; None where there is none."""
 
 
 def batch_length(batch: Any) -> int:
@@ -96,12 +105,12 @@ class MicroBatching:
     Args:
         owner: the strategy's class name, for messages.
         size: an int, or ``"auto"``.
-        chosen: called with the size ``"auto"`` chose (the same on every rank), once per fit.
+        chosen: called with the size ``"auto"`` chose (the same on every rank) and the search's report, once per fit.
         local_ranks: processes on this node, which share its host memory.
     """
 
     def __init__(
-        self, owner: str, size: int | str, chosen: Callable[[int], Any] | None = None, local_ranks: int = 1
+        self, owner: str, size: int | str, chosen: Callable[[int, str | None], Any] | None = None, local_ranks: int = 1
     ) -> None:
         self.owner = owner
         self.auto = size == "auto"
@@ -110,6 +119,8 @@ class MicroBatching:
         self._chosen, self._local_ranks = chosen, local_ranks
         self._held: list[tuple[Tensor, Tensor]] = []
         self._trying: int | None = None  # the size the search is running
+        #: What ``"auto"``'s search tried and kept (``None`` for a fixed size).
+        self.search_log: search.SearchLog | None = None
 
     def run(
         self, host: MicroBatchHost, step: Callable[..., Any], accumulation: int, batch: Any, *args: Any, **kw: Any
@@ -124,13 +135,15 @@ class MicroBatching:
             if self.size is None:
                 self.size = self._search(host, step, batch, n, args, kw)
                 if self._chosen is not None:
-                    self._chosen(self.size)
+                    self._chosen(self.size, None if self.search_log is None else self.search_log.describe())
             output = self._split(host, step, batch, n, accumulation, args, kw)
         except Exception as err:
             _put_gradients(earlier)
-            size = self.size if self.size is not None else self._trying  # (a measured run of the search)
-            if search.is_out_of_memory(err) and size is not None:
-                raise RuntimeError(out_of_memory_message(self.owner, size)) from err
+            if search.is_out_of_memory(err) and self.size is not None:
+                raise RuntimeError(out_of_memory_message(self.owner, self.size)) from err
+            if search.is_out_of_memory(err) and self._trying is not None:  # a trial with collectives
+                fits = None if self.search_log is None else self.search_log.largest_fitting(below=self._trying)
+                raise RuntimeError(out_of_memory_message(self.owner, self._trying, fits, trial=True)) from err
             raise
         self._held = _take_gradients(host)
         _put_gradients(earlier)
@@ -170,13 +183,11 @@ class MicroBatching:
         assert module is not None
         statistics = _Statistics(module)  # the attempts' and probes' forwards must not move running statistics
 
-        def run(size: int, measuring: bool = False) -> None:
+        def run(size: int, synced: bool = False) -> None:
             self._trying = size
             bounds = [(start, min(start + size, n)) for start in range(0, n, size)]
-            if measuring:  # a local chunk and a reducing one hold what every chunk of the training holds
-                bounds = bounds[:2]
             for i, (start, stop) in enumerate(bounds):
-                last = measuring and i == len(bounds) - 1  # reduces, as Lightning's backward of it will
+                last = synced and i == len(bounds) - 1  # reduces, as Lightning's backward of it will
                 with host.gradient_sync() if last else host.block_backward_sync():
                     output = step(split_batch(batch, start, stop), *args, **kwargs)
                     host.backward(_loss_of(output) * ((stop - start) / n), None)
@@ -189,29 +200,48 @@ class MicroBatching:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
+        smallest = 2 if statistics.buffers else 1  # BatchNorm needs two samples
+        return self._choose(host, run, cleanup, n, smallest)
+
+    def _choose(
+        self, host: MicroBatchHost, run: Callable[..., None], cleanup: Callable[[], None], n: int, smallest: int
+    ) -> int:  # fmt: skip
+        """The search that fits the host: attempts (without collectives, or with everything gathered), or trials."""
+        device = host.root_device
         reserve = optimizer_state_bytes(host.optimizers)  # allocated by the first step, held from then on
         collective = host.forward_collective()
-        free = available_bytes(device, self._local_ranks)
+        log = self.search_log = search.SearchLog()
+        # the gradients at full size (a DTensor's numel is the global one): what accumulating micro-batches hold
+        grads = sum(p.numel() * p.element_size() for p in _parameters(host) if p.requires_grad)
         if collective is None:  # attempts without any collective: an out-of-memory error is caught safely
             # They skip the synchronised backward, which stages the gradients (DDP also rebuilds its buckets at the
             # second step): room for one more copy of them.
-            grads = sum(p.numel() * p.element_size() for p in _parameters(host) if p.requires_grad)
-            return search.by_attempts(run, cleanup, n, device, self.owner, free, reserve + grads)
-        if free is None or not PeakMemory.supported(device):
+            return search.by_attempts(run, cleanup, n, device, self.owner, log, self._local_ranks, reserve + grads)
+        if available_bytes(device, self._local_ranks) is None or not PeakMemory.supported(device):
             raise ValueError(
                 f"{self.owner}(micro_batch_size='auto') must measure memory here ({collective} makes collectives in"
                 f" forward), which it cannot do on {device}. Fix: pass an int micro_batch_size."
             )
-        measured = functools.partial(run, measuring=True)
-        smallest = 2 if statistics.buffers else 1  # BatchNorm needs two samples
-        return search.by_measurement(measured, cleanup, n, device, self.owner, free, reserve, smallest)
+        synced, ranks = functools.partial(run, synced=True), self._local_ranks
+        local = host.without_collectives() if isinstance(host, LocalAttemptHost) else None
+        # attempts with every parameter gathered: room for them (at most the gradients' size), the attempt's
+        # gradients, the reserve and the staging copy
+        if local is not None and search.room_for(reserve + 3 * grads, device, ranks):
+            return search.by_gathered_attempts(run, synced, cleanup, local, n, device, self.owner, log, ranks,
+                                               reserve, grads)  # fmt: skip
+        return search.by_measurement(synced, cleanup, n, device, self.owner, log, ranks, reserve, grads, smallest)
 
 
-def out_of_memory_message(owner: str, size: int) -> str:
-    """The one message of an out-of-memory error during training with micro-batches of ``size``."""
-    smaller = (size + 1) // 2
+def out_of_memory_message(owner: str, size: int, fits: int | None = None, trial: bool = False) -> str:
+    """The one message of an out-of-memory error with micro-batches of ``size``: in training, or in ``"auto"``'s trial.
+
+    ``fits``: a size known to have run (the search's), named as the fix instead of half of ``size``.
+    """
+    smaller = fits if fits is not None else (size + 1) // 2
     fix = f"micro_batch_size={smaller}" if size > 1 else "a smaller model or input, or more memory per device"
-    return f"{owner}: out of memory in a micro-batch of {size} samples. Fix: {fix}."
+    where = " while micro_batch_size='auto' tried it" if trial else ""
+    ran = " (the largest that ran)" if fits is not None else ""
+    return f"{owner}: out of memory in a micro-batch of {size} samples{where}. Fix: {fix}{ran}."
 
 
 class _Statistics:

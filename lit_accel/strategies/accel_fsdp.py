@@ -275,6 +275,21 @@ class AccelFSDP(_RootCalls):
         """What makes a collective in the model's forward: FSDP's all-gathers, always (``"auto"`` measures)."""
         return "FSDP's all-gathers"
 
+    def without_collectives(self) -> AbstractContextManager[Callable[[], None]] | None:
+        """A block whose forwards and backwards make no collective, for ``"auto"``'s attempts; None where there is none.
+
+        Every parameter stays gathered and no gradient is reduced inside; the context gives a ``reset`` to call after
+        each attempt (on every rank, in step: it gathers again after an attempt a failure left half-run). Needs
+        ``FSDPModule.reset_iter_state`` (torch >= 2.14), a model this strategy sharded (whose settings it restores)
+        and no other collective in the forward (SyncBatchNorm, a LayerSync plugin).
+        """
+        roots = self._sync.roots
+        if not roots or not self.sharded_modules or self.parts.forward_collective(self) is not None:
+            return None
+        if not all(callable(getattr(root, "reset_iter_state", None)) for root in roots):
+            return None
+        return _gathered(self.sharded_modules, roots, self.reshard_after_forward, self._sync)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         return self.parts.training_step(self, super().training_step, *args, **kwargs)
@@ -324,3 +339,29 @@ def _top_fsdp_modules(model: torch.nn.Module) -> list[Any]:
         if isinstance(module, FSDPModule) and not inside:
             found.append(module)
     return found
+
+
+@contextmanager
+def _gathered(
+    modules: list[torch.nn.Module], roots: list[Any], reshard_after_forward: bool, sync: GradientSync
+) -> Generator[Callable[[], None], None, None]:
+    """Every FSDP module's parameters gathered and kept so, gradients unreduced; resharded and restored after."""
+
+    def gather() -> None:
+        for root in roots:
+            root.reset_iter_state()  # an attempt cut short leaves FSDP mid-iteration: its documented recovery
+        for module in modules:
+            module.unshard()  # (the same all-gathers on every rank, in the order of ``modules``)
+
+    gather()
+    for root in roots:
+        root.set_reshard_after_forward(False)
+        root.set_reshard_after_backward(False)
+    try:
+        with sync.switched(False):
+            yield gather
+    finally:
+        for root in roots:
+            root.set_reshard_after_forward(reshard_after_forward)
+            root.set_reshard_after_backward(True)
+            root.reset_iter_state()  # resharded, and no accumulated gradient left behind

@@ -2,7 +2,8 @@
 
 CUDA: the caching allocator's counters (``memory_allocated``, ``max_memory_allocated``, ``mem_get_info``). CPU
 (Linux): the process's address-space limit (``RLIMIT_AS``) and ``MemAvailable``, and the resident-set high-water mark
-``VmHWM``, which writing ``5`` to ``/proc/self/clear_refs`` resets (``man 5 proc``).
+``VmHWM``, which writing ``5`` to ``/proc/self/clear_refs`` resets (``man 5 proc``); under an address-space limit also
+the growth of ``VmPeak``, the mapped size's high-water mark, when the block raised it.
 """
 
 from __future__ import annotations
@@ -91,9 +92,15 @@ class PeakMemory:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - start
             return
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        start = _status_kib("VmRSS") or 0
+        start, size, size_peak = _status_kib("VmRSS") or 0, _status_kib("VmSize") or 0, _status_kib("VmPeak") or 0
         yield
         self.bytes = max(0, (_status_kib("VmHWM") or 0) - start)
+        capped = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+        new_peak = _status_kib("VmPeak") or 0
+        if capped and new_peak > size_peak:
+            # an address-space cap counts mapped memory, not touched pages; VmPeak cannot be reset, so the block's
+            # own peak is known only when it raised the process's
+            self.bytes = max(self.bytes, new_peak - size)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

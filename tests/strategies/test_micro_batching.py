@@ -44,6 +44,58 @@ def test_candidates_halve_from_the_loaded_batch():
     assert candidates(12) == [12, 6, 3, 2, 1] and candidates(32) == [32, 16, 8, 4, 2, 1] and candidates(1) == [1]
 
 
+_SEARCH = """
+import json, resource, sys, torch
+from pathlib import Path
+from lit_accel.strategies import _micro_batch_search as search
+
+def vm_size():
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmSize:"))
+    return int(line.split()[1]) * 1024
+
+MB, jump = 1_000_000, int(sys.argv[1])
+def run(size):  # 5 MB per sample, touched; at `jump` samples 120 MB more: memory that no bound sees coming
+    held = torch.ones(size * 5 * MB // 4 + (120 * MB // 4 if size >= jump else 0))
+    del held
+
+log = search.SearchLog()
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + 100 * MB, resource.RLIM_INFINITY))
+try:
+    chosen = search.by_measurement(run, lambda: None, 32, torch.device("cpu"), "Test", log, reserve_bytes=10 * MB)
+    error = None
+except Exception as err:
+    chosen, error = None, search.is_out_of_memory(err)
+print(json.dumps({"chosen": chosen, "oom": error, "tried": [t.size for t in log.trials],
+                  "largest": log.largest_fitting(), "report": log.describe()}))
+"""
+
+
+def _search_under_cap(jump: int) -> dict[str, Any]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _SEARCH, str(jump)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_measured_trials_keep_only_a_size_that_ran_within_the_margin_under_a_real_cap():
+    """One process under a 100 MB address-space cap, 5 MB per sample and a 10 MB reserve held in every trial."""
+    grows = _search_under_cap(jump=10**6)
+    # 2 (20 MB), 4 (30), 8 (50); 16's bound from 8 (10 + 40 x 2 = 90 MB) passes 90% of the free space: a stepping
+    # stone of the largest size in reach runs instead, and is kept (it ran)
+    tried = grows["tried"]
+    assert tried[:3] == [2, 4, 8] and 10 <= tried[3] < 16 and len(tried) == 4 and grows["chosen"] == tried[3], grows
+    assert "16 not tried (may need" in grows["report"] and f"kept {grows['chosen']}" in grows["report"], grows
+    # a jump no bound foresees: the trial of 8 runs out of memory; the search names the largest size that ran
+    jumps = _search_under_cap(jump=8)
+    assert jumps["oom"] is True and jumps["tried"] == [2, 4] and jumps["largest"] == 4, jumps
+
+
 def _fit(rank: int, world: int, strategy: Any, loader_batch: int, steps: int = 4, **kwargs: Any) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = kwargs.pop("model", lambda: BNModel(batchnorm=False))()  # a factory: built after the seed

@@ -1,15 +1,19 @@
 """``micro_batch_size="auto"`` under a real memory cap: 2 gloo processes whose address space is capped (RLIMIT_AS).
 
 Each run is ``tests/scripts/micro_batch_oom.py`` in a subprocess. AccelDDP searches by attempts (no collective in
-them), AccelFSDP by measuring runs with collectives that it never interrupts. The chosen micro-batch must be the
-largest that fits under the cap, or the next smaller (checked against fixed runs under the same cap), with the
-weights of the fixed run (fp32, 1e-5); and a sweep of caps from "everything fits" to "one sample does not fit" must
-never hang: every run finishes, or every rank stops with a message, without the HangWatchdog having to end it.
+them), AccelFSDP by attempts with every parameter gathered (or trials with collectives that it never interrupts). The
+caps are set from footprints measured here, on the machine the tests run on (uncapped runs with a fixed micro-batch:
+the address space each added at its largest), halfway between a size's footprint and the next larger one's. The size
+chosen must then be at least half that size and below the next, train under the cap with the weights of the fixed
+run (fp32, 1e-5), and the next larger size must not fit; a sweep of caps from "everything fits" to "no sample fits"
+must never hang and never die at a size it chose.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +23,8 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "micro_batch_oom.py"
-MESSAGES = (
-    "out of memory in a micro-batch of",
-    "a single sample per micro-batch does not fit",
-    "can't allocate memory",
-)
+MESSAGES = ("out of memory in a micro-batch of", "sample(s) does not fit in memory", "can't allocate memory")
+UNCAPPED = 1e6  # MB
 
 
 def _run_capped(tmp: Path, budget_mb: float, micro: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -45,38 +46,71 @@ def _fits(tmp: Path, budget_mb: float, micro: int, *extra: str) -> bool:
     return _run_capped(tmp, budget_mb, str(micro), *extra)[0].returncode == 0
 
 
+@functools.cache
+def _footprint_mb(tmp: Path, micro: int, *extra: str) -> float:
+    """The address space (MB) an uncapped fit with a fixed micro-batch added at its largest, on either rank."""
+    return _capped(tmp, UNCAPPED, str(micro), *extra)["footprint"] / 1e6
+
+
+@functools.cache
+def _joint(tmp: Path, *extra: str) -> dict[str, torch.Tensor]:
+    """One process, no cap, the joint batch of both ranks: the weights every run must end with."""
+    return _capped(tmp, UNCAPPED, "auto", "--reference", *extra)["state"]
+
+
+def _close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for key, value in state.items():
+        assert torch.allclose(value, expected[key], atol=1e-5), key
+
+
+@pytest.fixture(scope="module")
+def tmp_module(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("capped")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("strategy", "budget_mb"),
-    # Measured (tests/scripts/micro_batch_oom.py, loaded batches of 32): AccelDDP fits 16 under 47 MB, not 32;
-    # AccelFSDP (which also gathers parameters and keeps unsharded gradients) fits 16 under 54 MB and 8 under 37 MB.
-    [("ddp", 47), ("fsdp", 54), ("fsdp", 37)],
+    ("strategy", "model", "size"),
+    # (model "issue": issue #47's Linear(8, 65536), four elementwise layers, Linear(65536, 4), 64 loaded per device)
+    [("ddp", "wide", 16), ("fsdp", "wide", 16), ("fsdp", "wide", 8), ("ddp", "issue", 32), ("fsdp", "issue", 32)],
 )
-def test_auto_chooses_the_largest_micro_batch_that_fits_or_the_next_smaller(tmp_path, strategy, budget_mb):
-    args = ("--strategy", strategy)
-    auto = _capped(tmp_path, budget_mb, "auto", *args)
-    chosen = auto["micro"]
-    fixed = _capped(tmp_path, budget_mb, str(chosen), *args)  # the choice fits for a whole run
-    larger = [size for size in (2 * chosen, 4 * chosen) if size <= 32]
-    assert larger and not _fits(tmp_path, budget_mb, larger[-1], *args), f"{4 * chosen} fits: {chosen} is too small"
-    joint = _capped(tmp_path, 1e6, "auto", "--reference")  # one process, batches of 64: the joint batch
-    for key, value in auto["state"].items():
-        assert torch.allclose(value, fixed["state"][key], atol=1e-5), key
-        assert torch.allclose(value, joint["state"][key], atol=1e-5), key
+def test_auto_chooses_the_largest_micro_batch_that_fits_or_the_next_smaller(tmp_module, strategy, model, size):
+    args = ("--strategy", strategy, "--model", model)
+    fits, next_fits = _footprint_mb(tmp_module, size, *args), _footprint_mb(tmp_module, 2 * size, *args)
+    assert fits < next_fits, (fits, next_fits)  # memory grows with the micro-batch, or the case tests nothing
+    budget_mb = round((fits + next_fits) / 2, 1)
+    auto = _capped(tmp_module, budget_mb, "auto", *args)
+    assert size // 2 <= auto["micro"] < 2 * size, f"chose {auto['micro']} under {budget_mb} MB ({fits} MB fit {size})"
+    fixed = _capped(tmp_module, budget_mb, str(auto["micro"]), *args)  # the choice trains under the same cap
+    assert not _fits(tmp_module, budget_mb, 2 * size, *args), f"{2 * size} fits in {budget_mb} MB"
+    _close(auto["state"], fixed["state"])
+    _close(auto["state"], _joint(tmp_module, "--model", model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(5))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_issue_47s_case_trains_with_the_weights_of_the_size_it_chose(tmp_module, strategy, run):
+    """Five runs each: the cap halfway between the footprints of 32 and 64 samples (64 loaded per device)."""
+    args = ("--strategy", strategy, "--model", "issue")
+    budget_mb = round((_footprint_mb(tmp_module, 32, *args) + _footprint_mb(tmp_module, 64, *args)) / 2, 1)
+    auto = _capped(tmp_module, budget_mb, "auto", *args)
+    _close(auto["state"], _capped(tmp_module, UNCAPPED, str(auto["micro"]), *args)["state"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("budget_mb", [1e6, 30, 26, 22, 14, 6])
-def test_auto_under_a_sweep_of_caps_never_hangs(tmp_path, strategy, budget_mb):
+def test_auto_under_a_sweep_of_caps_never_hangs(tmp_module, strategy, budget_mb):
     """From a cap nothing reaches to one where no sample fits: finished with the joint batch's weights, or stopped
-    on every rank with a message (ours, or the allocator's where the cap hits outside the training step)."""
-    done, out = _run_capped(tmp_path, budget_mb, "auto", "--strategy", strategy)
+    on every rank with a message (ours, or the allocator's where the cap hits outside the training step), never at a
+    size the search chose."""
+    done, out = _run_capped(tmp_module, budget_mb, "auto", "--strategy", strategy)
     assert "HangWatchdog" not in done.stderr, done.stderr[-3000:]
     if done.returncode == 0:
-        joint = _capped(tmp_path, 1e6, "auto", "--reference")
-        for key, value in torch.load(out, weights_only=True)["state"].items():
-            assert torch.allclose(value, joint["state"][key], atol=1e-5), key
-    else:
-        assert any(message in done.stderr for message in MESSAGES), done.stderr[-3000:]
-        assert done.stderr.count("[rank0]") and done.stderr.count("[rank1]"), "both ranks must report"
+        _close(torch.load(out, weights_only=True)["state"], _joint(tmp_module, "--model", "wide"))
+        return
+    assert any(message in done.stderr for message in MESSAGES), done.stderr[-3000:]
+    assert done.stderr.count("[rank0]") and done.stderr.count("[rank1]"), "both ranks must report"
+    chose = re.search(r"micro_batch_size='auto' chose (\d+)", done.stderr + done.stdout)
+    assert chose is None or f"micro-batch of {chose.group(1)} samples." not in done.stderr, done.stderr[-3000:]
