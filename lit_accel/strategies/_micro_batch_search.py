@@ -26,6 +26,7 @@ import gc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -184,8 +185,21 @@ def by_attempts(
     if log.chosen is None and loaded > 1 and tried(1).fits:
         log.chosen = 1
     if log.chosen is None:
-        raise _no_sample_fits(owner, log.trials[-1])
+        _without_margin(log, owner)
     return log.chosen
+
+
+def _without_margin(log: SearchLog, owner: str) -> NoReturn:
+    """No size fitted with the margin: stop before the first step (a size kept without it could die later)."""
+    ran = [trial for trial in log.trials if not trial.out_of_memory and trial.peak_bytes is not None]
+    smallest = min(ran, key=lambda trial: trial.size) if ran else None
+    if smallest is None:
+        raise _no_sample_fits(owner, log.trials[-1] if log.trials else None)
+    raise RuntimeError(
+        f"{owner}(micro_batch_size='auto'): no micro-batch fits with a {1 - MARGIN:.0%} margin ({log.describe()})."
+        f" Fix: micro_batch_size={smallest.size} to train without the margin (it ran), or a smaller model or input,"
+        " activation checkpointing, sharding (AccelFSDP) or more memory."
+    )
 
 
 def _attempted(
@@ -259,12 +273,10 @@ def by_measurement(
         run(first)  # a first pass pays the one-time costs (lazy init, first allocations, communication buffers)
     cleanup()
     last = trial(first)
-    if not last.fits:
-        if smallest >= first or _reachable(last, fixed, device, local_ranks) < 1:
-            raise _no_sample_fits(owner, last)
+    if not last.fits and smallest < first and _reachable(last, fixed, device, local_ranks) >= 1:
         last = trial(1)
-        if not last.fits:
-            raise _no_sample_fits(owner, last)
+    if not last.fits:
+        _without_margin(log, owner)
     log.chosen = last.size
     for target in (s for s in ascending if s > last.size):
         while last.size < target:  # stepping stones where the bound does not reach the target at once

@@ -239,6 +239,8 @@ def out_of_memory_message(owner: str, size: int, fits: int | None = None, trial:
     """
     smaller = fits if fits is not None else (size + 1) // 2
     fix = f"micro_batch_size={smaller}" if size > 1 else "a smaller model or input, or more memory per device"
+    if trial and fits is None:  # the search's first trial: nothing is known to fit
+        fix = "a smaller model or input, activation checkpointing, or more memory per device (no micro-batch ran)"
     where = " while micro_batch_size='auto' tried it" if trial else ""
     ran = " (the largest that ran)" if fits is not None else ""
     return f"{owner}: out of memory in a micro-batch of {size} samples{where}. Fix: {fix}{ran}."
