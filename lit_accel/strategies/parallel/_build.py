@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lit_accel.strategies import _fsdp_sharding as sharding
-from lit_accel.strategies.parallel import _stages, _tensor_plan
+from lit_accel.strategies.parallel import _chain, _stages, _tensor_plan
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:
@@ -77,6 +77,7 @@ def _split(owner: str, module: pl.LightningModule, layout: ParallelLayout, pp_ra
     """Choose the stages, keep this rank's units; returns (stage id -> unit names, num_stages, starts)."""
     units = _stages.pipeline_units(module)
     names = [name for name, _ in units]
+    _chain.check_chain(owner, module, names)  # before any unit is pruned: the stages must be the model's forward
     per_rank = config.schedule.stages_per_rank(config.stages_per_rank)
     num_stages = layout.pipeline * per_rank
     starts = _stages.split_units(owner, names, units, num_stages, config.stage_split)

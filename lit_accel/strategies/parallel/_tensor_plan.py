@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 if TYPE_CHECKING:
@@ -128,7 +129,39 @@ def resolve_plan(owner: str, model: nn.Module, plan: TensorPlan, tensor: int) ->
             f"{owner}(tensor_parallel={tensor}, tensor_plan='auto') found no Linear pair or attention to split."
             " Fix: pass an explicit tensor_plan, or tensor_parallel=1."
         )
+    if plan != "auto":  # (the "auto" plan pairs by construction)
+        _check_pairs(owner, model, resolved)
     return resolved
+
+
+def _check_pairs(owner: str, model: nn.Module, plan: dict[str, Any]) -> None:
+    """Refuse a ``"colwise"``/``"rowwise"`` Linear without its partner in the same parent (Megatron's pairing).
+
+    A row-wise Linear takes the sharded output of a column-wise one registered before it (its input width that
+    one's output width); a column-wise one gives its sharded output to a row-wise one registered after it. Anything
+    else would shard a layer whose neighbour expects the whole tensor. Styles given as torch objects are the user's.
+    """
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and plan.get(n) in _STYLE_NAMES}
+    for name, linear in linears.items():
+        parent = name.rpartition(".")[0]
+        siblings = [(n, m) for n, m in linears.items() if n.rpartition(".")[0] == parent]
+        index = [n for n, _ in siblings].index(name)
+        if plan[name] == "rowwise":
+            width = linear.in_features
+            partner = [n for n, m in siblings[:index] if plan[n] == "colwise" and m.out_features == width]
+            missing = f"a 'colwise' Linear registered before it whose output width is its input width ({width})"
+        elif plan[name] == "colwise":
+            partner = [n for n, _ in siblings[index + 1 :] if plan[n] == "rowwise"]
+            missing = "a 'rowwise' Linear registered after it in the same module, to take its sharded output"
+        else:
+            continue
+        if not partner:
+            raise ValueError(
+                f"{owner}(tensor_plan=...): entry {name!r}: {plan[name]!r} has no partner: {missing}, so it would"
+                " shard a layer whose neighbour expects the whole tensor. Fix: pair each 'colwise' Linear with the"
+                " 'rowwise' one that takes its output (e.g. {'fc1': 'colwise', 'fc2': 'rowwise'}), or"
+                " tensor_plan='auto'."
+            )
 
 
 def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> list[str]:
@@ -139,10 +172,16 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> list
     local = {name: style for name, style in plan.items() if name in present and type(present[name]) is not nn.Identity}
     if local:
         parallelize_module(model, mesh, {name: _style(style) for name, style in local.items()})
-    for name in {n.rpartition(".")[0] for n in local}:
+    for name in sorted({n.rpartition(".")[0] for n in local}):
         parent = model.get_submodule(name)
         if _attention(parent) is not None:
             heads = next((h for h in _HEADS if isinstance(getattr(parent, h, None), int)), None)
             if heads is not None:
-                setattr(parent, heads, getattr(parent, heads) // mesh.size())
+                before = getattr(parent, heads)
+                setattr(parent, heads, before // mesh.size())
+                # the user's object changes: said once, naming the attribute and both values
+                rank_zero_info(
+                    f"tensor_parallel={mesh.size()}: {name or 'the model'}.{heads} changed from {before} to"
+                    f" {before // mesh.size()} on every rank (its reshapes see the local heads)."
+                )
     return sorted(local)
