@@ -92,11 +92,11 @@ def _measure(rank: int, world: int, schedule: str, microbatches: int) -> dict[st
     return monitor.summary
 
 
-def _bubble(schedule: str, pipeline: int, microbatches: int) -> dict[str, float]:
+def _bubble(schedule: str, pipeline: int, microbatches: int, tolerance: float = 0.05) -> dict[str, float]:
     summaries = run_distributed(_measure, pipeline, schedule, microbatches, init_process_group=False, timeout=300)
     summary = summaries[0]
     measured, analytic = summary["pipeline_bubble_frac"], summary["pipeline_bubble_frac_analytic"]
-    assert abs(measured - analytic) <= 0.05, (schedule, pipeline, microbatches, measured, analytic)
+    assert abs(measured - analytic) <= tolerance, (schedule, pipeline, microbatches, measured, analytic)
     assert all(f"pipeline_bubble_frac_rank{r}" in summary for r in range(pipeline))
     assert summary["pipeline_bubble_frac_max"] >= measured
     return summary
@@ -119,7 +119,10 @@ def test_measured_bubble_matches_the_analytic_one_1f1b(pipeline, microbatches):
 @pytest.mark.slow
 def test_zero_bubble_idles_less_than_1f1b_at_four_stages():
     one_f_one_b = _bubble("1f1b", 4, 8)
-    zero_bubble = _bubble("zero_bubble", 4, 8)
+    # The split backward doubles the timed actions, each with its gloo and Python overhead beside the sleeps: with 4
+    # processes on 2 cores (an AVX2 VM, 2026-12-06) measured - analytic was 0.060-0.065 in 3 of 3 runs, so 0.08 here;
+    # the comparison with 1f1b's bubble (analytic 3/11) is what this test is about.
+    zero_bubble = _bubble("zero_bubble", 4, 8, tolerance=0.08)
     assert zero_bubble["pipeline_bubble_frac"] < one_f_one_b["pipeline_bubble_frac"]
 
 
