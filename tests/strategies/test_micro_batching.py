@@ -210,6 +210,8 @@ def _measured(rank: int, world: int) -> dict[str, Any]:
         ("ddp_syncbn", lambda m: AccelDDP(global_batch_size=24, micro_batch_size=m)),
         ("ddp_buffers", lambda m: AccelDDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False)),
         ("fsdp", lambda m: AccelFSDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False)),
+        # torch < 2.14 (no reset_iter_state): trials with FSDP's collectives instead of gathered attempts
+        ("fsdp_trials", lambda m: _TrialsFSDP(global_batch_size=24, micro_batch_size=m, sync_batchnorm=False)),
     ):
         runs[name] = _fit(rank, world, make("auto"), 12, steps=3, model=_StatefulModel)
         runs[name + "_fixed"] = _fit(rank, world, make(runs[name]["micro"]), 12, steps=3, model=_StatefulModel)
@@ -221,11 +223,18 @@ def _measured(rank: int, world: int) -> dict[str, Any]:
     return runs
 
 
+class _TrialsFSDP(AccelFSDP):
+    """AccelFSDP as on torch < 2.14, where its attempts cannot gather every parameter."""
+
+    def without_collectives(self) -> None:
+        return None
+
+
 def test_auto_measures_where_forwards_make_collectives_and_leaves_no_trace():
     """SyncBatchNorm, DDP's buffer broadcast and FSDP's all-gathers: the search measures runs that it cannot undo
     by catching, and must leave nothing behind (gradients, FSDP's state, running statistics, reducer state)."""
     for runs in run_distributed(_measured, 2, init_process_group=False, timeout=300):
-        for name in ("ddp_syncbn", "ddp_buffers", "fsdp", "fsdp_window"):
+        for name in ("ddp_syncbn", "ddp_buffers", "fsdp", "fsdp_trials", "fsdp_window"):
             assert runs[name]["micro"] == runs[name + "_fixed"]["micro"] >= 1, name
             _close(runs[name]["state"], runs[name + "_fixed"]["state"])  # running statistics included
         assert runs["fsdp_window"]["accumulation"] == 2
