@@ -135,19 +135,14 @@ def _no_sample_fits(owner: str, trial: Trial | None = None) -> RuntimeError:
     )
 
 
-class _Reserve:
-    """Memory the training holds later and a trial does not, allocated (and touched) for the trial's length."""
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes, self.device = nbytes, device
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        block = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device) if self.nbytes else None
-        try:
-            yield
-        finally:
-            del block
+@contextlib.contextmanager
+def _held(nbytes: int, device: torch.device) -> Iterator[None]:
+    """``nbytes`` the training holds later and a trial does not, allocated (and touched) for the trial's length."""
+    block = torch.zeros(nbytes, dtype=torch.uint8, device=device) if nbytes else None
+    try:
+        yield
+    finally:
+        del block
 
 
 def _agree(size: int, failed: bool, peak: int | None, free: int | None, device: torch.device) -> Trial:
@@ -169,10 +164,10 @@ def by_attempts(
     statistics) after each one. ``reserve_bytes`` stay allocated during the attempt. An attempt fails when it runs out
     of memory or, where its peak can be measured, when the peak passes ``MARGIN`` of the memory free at its start.
     """
-    peak, reserve = PeakMemory(device), _Reserve(reserve_bytes, device)
+    peak = PeakMemory(device)
 
     def tried(size: int) -> Trial:
-        return _attempted(attempt, cleanup, size, device, log, local_ranks, peak, reserve)
+        return _attempted(attempt, cleanup, size, device, log, local_ranks, peak, reserve_bytes)
 
     ascending = candidates(loaded)[::-1]
     if tried(loaded).fits:
@@ -204,14 +199,14 @@ def _without_margin(log: SearchLog, owner: str) -> NoReturn:
 
 def _attempted(
     attempt: Callable[[int], None], cleanup: Callable[[], None], size: int, device: torch.device, log: SearchLog,
-    local_ranks: int, peak: PeakMemory, reserve: _Reserve,
+    local_ranks: int, peak: PeakMemory, reserve_bytes: int,
 ) -> Trial:  # fmt: skip
     """One attempt on every rank, an out-of-memory error caught, then the one all-reduce that agrees on it (logged)."""
     free = available_bytes(device, local_ranks)
     measurable = free is not None and PeakMemory.supported(device)
     failed = False
     try:
-        with peak.measure() if measurable else contextlib.nullcontext(), reserve.held():
+        with peak.measure() if measurable else contextlib.nullcontext(), _held(reserve_bytes, device):
             attempt(size)
     except Exception as err:
         if not is_out_of_memory(err):
@@ -264,12 +259,7 @@ def by_measurement(
     def trial(size: int) -> Trial:
         return confirm(run, cleanup, size, device, log, local_ranks, reserve_bytes)
 
-    def bound(last: Trial, size: int) -> float:
-        assert last.peak_bytes is not None
-        kept = min(fixed, last.peak_bytes)  # no more than was seen: the rest then scales more
-        return kept + (last.peak_bytes - kept) * size / last.size
-
-    with _Reserve(reserve_bytes, device).held():
+    with _held(reserve_bytes, device):
         run(first)  # a first pass pays the one-time costs (lazy init, first allocations, communication buffers)
     cleanup()
     last = trial(first)
@@ -282,7 +272,7 @@ def by_measurement(
         while last.size < target:  # stepping stones where the bound does not reach the target at once
             step = min(target, _reachable(last, fixed, device, local_ranks))
             if step < target and step < max(last.size + 1, STEP * last.size):
-                log.not_tried = (target, bound(last, target))
+                log.not_tried = (target, _bound(last, fixed, target))
                 return log.chosen
             last = trial(step)
             if not last.fits:
@@ -298,7 +288,7 @@ def confirm(
 ) -> Trial:  # fmt: skip
     """Run ``size`` as the training will (``run``, collectives included) with ``reserve_bytes`` held; log its peak."""
     peak, free = PeakMemory(device), available_bytes(device, local_ranks)
-    with peak.measure(), _Reserve(reserve_bytes, device).held():
+    with peak.measure(), _held(reserve_bytes, device):
         run(size)
     cleanup()
     result = _agree(size, False, peak.bytes, free, device)
@@ -312,18 +302,27 @@ def room_for(nbytes: int, device: torch.device, local_ranks: int = 1) -> bool:
     return not any_rank(free is None or nbytes > MARGIN * free, device)
 
 
-def _reachable(last: Trial, fixed: int, device: torch.device, local_ranks: int) -> int:
-    """The largest size whose bound from ``last`` fits in ``MARGIN`` of what is free now on every rank (an all-reduce).
+def _parts(last: Trial, fixed: int) -> tuple[int, int]:
+    """The last peak split: the part that stays (``fixed``, at most the peak) and the part that scales with size."""
+    assert last.peak_bytes is not None
+    kept = min(fixed, last.peak_bytes)
+    return kept, last.peak_bytes - kept
 
-    The bound keeps ``fixed`` (no more than the last peak: the rest then scales more) and scales the rest of the last
-    peak by the ratio of the sizes.
-    """
+
+def _bound(last: Trial, fixed: int, size: int) -> float:
+    """The peak a trial of ``size`` may reach, from ``last``: the kept part, the rest scaled by the ratio of sizes."""
+    kept, scaled = _parts(last, fixed)
+    return kept + scaled * size / last.size
+
+
+def _reachable(last: Trial, fixed: int, device: torch.device, local_ranks: int) -> int:
+    """The largest size whose ``_bound`` fits in ``MARGIN`` of what is free now on every rank (an all-reduce)."""
     gc.collect()
     free = available_bytes(device, local_ranks)
     if last.peak_bytes is None or free is None:
         reach = 0
     else:
-        fixed = min(fixed, last.peak_bytes)
-        scaled, room = last.peak_bytes - fixed, MARGIN * free - fixed
+        kept, scaled = _parts(last, fixed)
+        room = MARGIN * free - kept
         reach = _LARGEST if scaled <= 0 and room >= 0 else max(int(last.size * room / max(scaled, 1)), 0)
     return int(_all_reduce(torch.tensor([reach], device=device), dist.ReduceOp.MIN).item())

@@ -186,3 +186,20 @@ def test_a_wrong_tensor_plan_is_refused_on_every_rank_before_the_first_step():
     for result in run_distributed(_fit_plan, 2, {"up": "colwise", "down": "rowwise"}, init_process_group=False,
                                   timeout=120):  # fmt: skip
         assert result == {"error": None, "steps": 2}
+
+
+def test_models_as_timm_defines_them_pass_only_when_their_units_are_the_forward():
+    """timm's ResNet is its units in order (the chained units give its own output); its ViT is not (the class token
+    and the position embedding are added between units) and is refused."""
+    import timm
+
+    from lit_accel.strategies.parallel._stages import StageModule
+
+    resnet = timm.create_model("resnet18", pretrained=False, num_classes=10).eval()
+    assert _check(resnet) is None
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(StageModule(0, pipeline_units(resnet))(images), resnet(images))
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2)
+    message = _check(vit)
+    assert message is not None and "runs between units" in message and "Fix:" in message, message
