@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from lit_accel.strategies import _micro_batch_search as search
+from lit_accel.strategies._micro_batch_trials import SearchLog, is_out_of_memory
 from lit_accel.utilities._memory import PeakMemory, available_bytes, optimizer_state_bytes
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ class MicroBatching:
         self._held: list[tuple[Tensor, Tensor]] = []
         self._trying: int | None = None  # the size the search is running
         #: What ``"auto"``'s search tried and kept (``None`` for a fixed size).
-        self.search_log: search.SearchLog | None = None
+        self.search_log: SearchLog | None = None
 
     def run(
         self, host: MicroBatchHost, step: Callable[..., Any], accumulation: int, batch: Any, *args: Any, **kw: Any
@@ -139,9 +140,9 @@ class MicroBatching:
             output = self._split(host, step, batch, n, accumulation, args, kw)
         except Exception as err:
             _put_gradients(earlier)
-            if search.is_out_of_memory(err) and self.size is not None:
+            if is_out_of_memory(err) and self.size is not None:
                 raise RuntimeError(out_of_memory_message(self.owner, self.size)) from err
-            if search.is_out_of_memory(err) and self._trying is not None:  # a trial with collectives
+            if is_out_of_memory(err) and self._trying is not None:  # a trial with collectives
                 fits = None if self.search_log is None else self.search_log.largest_fitting(below=self._trying)
                 raise RuntimeError(out_of_memory_message(self.owner, self._trying, fits, trial=True)) from err
             raise
@@ -183,9 +184,9 @@ class MicroBatching:
         assert module is not None
         statistics = _Statistics(module)  # the attempts' and probes' forwards must not move running statistics
 
-        def run(size: int, synced: bool = False) -> None:
+        def run(size: int, synced: bool = False, limit: int | None = None) -> None:
             self._trying = size
-            bounds = [(start, min(start + size, n)) for start in range(0, n, size)]
+            bounds = [(start, min(start + size, n)) for start in range(0, n, size)][:limit]
             for i, (start, stop) in enumerate(bounds):
                 last = synced and i == len(bounds) - 1  # reduces, as Lightning's backward of it will
                 with host.gradient_sync() if last else host.block_backward_sync():
@@ -210,13 +211,14 @@ class MicroBatching:
         device = host.root_device
         reserve = optimizer_state_bytes(host.optimizers)  # allocated by the first step, held from then on
         collective = host.forward_collective()
-        log = self.search_log = search.SearchLog()
+        log = self.search_log = SearchLog()
         # the gradients at full size (a DTensor's numel is the global one): what accumulating micro-batches hold
         grads = sum(p.numel() * p.element_size() for p in _parameters(host) if p.requires_grad)
         if collective is None:  # attempts without any collective: an out-of-memory error is caught safely
             # They skip the synchronised backward, which stages the gradients (DDP also rebuilds its buckets at the
             # second step): room for one more copy of them.
-            return search.by_attempts(run, cleanup, n, device, self.owner, log, self._local_ranks, reserve + grads)
+            return search.by_attempts(run, cleanup, n, device, self.owner, log, self._local_ranks, reserve + grads,
+                                      grads, smallest)  # fmt: skip
         if available_bytes(device, self._local_ranks) is None or not PeakMemory.supported(device):
             raise ValueError(
                 f"{self.owner}(micro_batch_size='auto') must measure memory here ({collective} makes collectives in"
@@ -228,7 +230,7 @@ class MicroBatching:
         # gradients, the reserve and the staging copy
         if local is not None and search.room_for(reserve + 3 * grads, device, ranks):
             return search.by_gathered_attempts(run, synced, cleanup, local, n, device, self.owner, log, ranks,
-                                               reserve, grads)  # fmt: skip
+                                               reserve, grads, smallest)  # fmt: skip
         return search.by_measurement(synced, cleanup, n, device, self.owner, log, ranks, reserve, grads, smallest)
 
 

@@ -21,7 +21,7 @@ from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
 from lit_accel.strategies._batch_planner import BatchPlanner
 from lit_accel.strategies._batchnorm_sync import BatchNormSync
 from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
-from lit_accel.strategies._micro_batch_search import is_out_of_memory
+from lit_accel.strategies._micro_batch_trials import is_out_of_memory
 from lit_accel.strategies._micro_batches import MicroBatchHost, MicroBatching, out_of_memory_message
 from lit_accel.strategies._partial_window import PartialWindow
 from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, DynamicGradScaler
-from lit_accel.strategies._micro_batch_search import candidates, is_out_of_memory
+from lit_accel.strategies._micro_batch_trials import SearchStopped, candidates, is_out_of_memory
 from lit_accel.strategies._micro_batches import split_batch
 from tests.helpers import (
     BNModel,
@@ -38,6 +38,7 @@ def test_split_batch_slices_every_tensor_of_nested_batches():
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert is_out_of_memory(MemoryError("std::bad_alloc")) and is_out_of_memory(torch.OutOfMemoryError("CUDA"))
+    assert not is_out_of_memory(SearchStopped("a micro-batch of 1 sample(s) does not fit (1: out of memory)"))
 
 
 def test_candidates_halve_from_the_loaded_batch():
@@ -47,7 +48,7 @@ def test_candidates_halve_from_the_loaded_batch():
 _SEARCH = """
 import json, resource, sys, torch
 from pathlib import Path
-from lit_accel.strategies import _micro_batch_search as search
+from lit_accel.strategies import _micro_batch_search as search, _micro_batch_trials as trials
 
 def vm_size():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmSize:"))
@@ -58,13 +59,13 @@ def run(size):  # 5 MB per sample, touched; at `jump` samples 120 MB more: memor
     held = torch.ones(size * 5 * MB // 4 + (120 * MB // 4 if size >= jump else 0))
     del held
 
-log = search.SearchLog()
+log = trials.SearchLog()
 resource.setrlimit(resource.RLIMIT_AS, (vm_size() + 100 * MB, resource.RLIM_INFINITY))
 try:
     chosen = search.by_measurement(run, lambda: None, 32, torch.device("cpu"), "Test", log, reserve_bytes=10 * MB)
     error = None
 except Exception as err:
-    chosen, error = None, search.is_out_of_memory(err)
+    chosen, error = None, trials.is_out_of_memory(err)
 print(json.dumps({"chosen": chosen, "oom": error, "tried": [t.size for t in log.trials],
                   "largest": log.largest_fitting(), "report": log.describe()}))
 """
@@ -94,6 +95,80 @@ def test_measured_trials_keep_only_a_size_that_ran_within_the_margin_under_a_rea
     # a jump no bound foresees: the trial of 8 runs out of memory; the search names the largest size that ran
     jumps = _search_under_cap(jump=8)
     assert jumps["oom"] is True and jumps["tried"] == [2, 4] and jumps["largest"] == 4, jumps
+
+
+_ATTEMPTS = """
+import json, resource, sys, torch
+from pathlib import Path
+from lit_accel.strategies import _micro_batch_search as search, _micro_batch_trials as trials
+
+def vm_size():
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmSize:"))
+    return int(line.split()[1]) * 1024
+
+MB, jump, cap, leak = 1_000_000, int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+LEFT = []  # what a failed attempt leaves held (`leak` MB from `jump`), as a failed allocation can
+def attempt(size, limit=None):  # 10 MB of accumulated gradients, then 5 MB per sample (120 MB more from `jump`)
+    grads = torch.ones(10 * MB // 4)
+    if size >= jump and leak:
+        LEFT.append(torch.ones(leak * MB // 4))
+    for _ in range(min(-(-32 // size), limit or 32)):
+        held = torch.ones(size * 5 * MB // 4 + (120 * MB // 4 if size >= jump else 0))
+        del held
+    del grads
+
+log = trials.SearchLog()
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + cap * MB, resource.RLIM_INFINITY))
+try:
+    chosen, error = search.by_attempts(attempt, lambda: None, 32, torch.device("cpu"), "Test", log,
+                                       reserve_bytes=10 * MB, fixed_bytes=10 * MB), None
+except Exception as err:
+    chosen, error = None, str(err)
+print(json.dumps({"chosen": chosen, "error": error, "report": log.describe(),
+                  "tried": [(t.size, t.whole, t.out_of_memory) for t in log.trials]}))
+"""
+
+
+def _attempts_under_cap(jump: int, cap_mb: int, leak_mb: int = 0) -> dict[str, Any]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _ATTEMPTS, str(jump), str(cap_mb), str(leak_mb)], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_attempts_climb_from_a_probe_and_meet_a_tight_cap_without_a_failed_attempt():
+    """One process under a real address-space cap: 10 MB held, 10 MB of gradients, 5 MB per sample (peak 20 + 5 n)."""
+    # 100 MB: the probe (1 sample, two micro-batches) bounds 8 (60 MB) inside 90 MB and 16 (100 MB) outside
+    roomy = _attempts_under_cap(jump=10**6, cap_mb=100)
+    assert roomy["tried"] == [[1, False, False], [8, True, False]] and roomy["chosen"] == 8, roomy
+    assert "1 (probe): peak" in roomy["report"] and "16 not tried" in roomy["report"], roomy
+    # 31 MB: only one sample fits (25 MB; two take 30 MB, over the margin): kept, and nothing ran out of memory
+    tight = _attempts_under_cap(jump=10**6, cap_mb=31)
+    assert tight["chosen"] == 1 and not any(oom for _, _, oom in tight["tried"]), tight
+    # a jump no bound foresees at 8: its attempt fails, the next candidate down is kept, 8 is not tried again
+    jumps = _attempts_under_cap(jump=8, cap_mb=100)
+    assert jumps["tried"] == [[1, False, False], [8, True, True], [4, True, False]] and jumps["chosen"] == 4, jumps
+    # nothing fits: the search's own stop, never read back as a memory error of a size it tried
+    none = _attempts_under_cap(jump=10**6, cap_mb=12)
+    assert none["chosen"] is None and "does not fit in memory" in none["error"], none
+
+
+def test_a_size_kept_before_a_failed_attempt_runs_again_after_it():
+    """32 MB: 2's bound (30 MB) is within what is free, not within the margin: attempted, and it fails (`jump`)."""
+    again = _attempts_under_cap(jump=2, cap_mb=32)
+    assert again["tried"] == [[1, False, False], [1, True, False], [2, True, True], [1, True, False]], again
+    assert again["chosen"] == 1, again
+    # the failure left 10 MB held: 1 no longer fits, so nothing is kept, and the message says why and what to pass
+    lost = _attempts_under_cap(jump=2, cap_mb=32, leak_mb=10)
+    assert lost["chosen"] is None and lost["tried"][-1] == [1, True, True], lost
+    assert "a micro-batch of 1 fitted, then a larger attempt ran out of memory" in lost["error"], lost
+    assert "Fix: micro_batch_size=1 (it fits in a fresh process)" in lost["error"], lost
 
 
 def _fit(rank: int, world: int, strategy: Any, loader_batch: int, steps: int = 4, **kwargs: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ MESSAGES = (
     "out of memory in a micro-batch of",
     "sample(s) does not fit in memory",
     "no micro-batch fits with",
+    "then a larger attempt ran out of memory",
     "can't allocate memory",
 )
 UNCAPPED = 1e6  # MB
