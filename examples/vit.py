@@ -787,6 +787,7 @@ def collect_results(
         "batchnorm_layers": count_batchnorms(module.net),
         "sync_batchnorm_layers": module.synced_batchnorms,
         "data": args.data,
+        "device": trainer.strategy.root_device.type,
         "world_size": trainer.world_size,
         "global_batch_size": args.batch_size * trainer.world_size * trainer.accumulate_grad_batches,
         "accumulate": trainer.accumulate_grad_batches,
@@ -819,6 +820,7 @@ def print_table(results: dict[str, Any]) -> None:
     def fmt_flops(tflops: float | None) -> str:  # "13.1 GFLOP/s" on a CPU, not "0.01 TFLOP/s"
         return "n/a" if tflops is None else format_flops_per_second(tflops * 1e12)
 
+    no_mfu = "no MFU on CPU" if results["device"] == "cpu" else "n/a (unknown peak)"  # a CPU has no datasheet peak
     table = Table(title="ViT case study: results", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -836,7 +838,7 @@ def print_table(results: dict[str, Any]) -> None:
         ("optimizer step time", fmt(results["step_time_ms"], ",.1f", " ms")),
         ("data wait (share of step)", fmt(results["data_wait_frac"], ".1%")),
         ("FLOP/s per device", fmt_flops(results["tflops_per_device"])),
-        ("MFU", fmt(results["mfu"], ".1%", unknown="n/a (unknown peak)")),
+        ("MFU", fmt(results["mfu"], ".1%", unknown=no_mfu)),
         ("gradient comm in flight (share of step)", fmt(results["comm_time_frac"], ".1%")),
         ("gradient comm exposed (share of step)", fmt(results["comm_exposed_frac"], ".1%")),
         ("skipped optimizer steps (inf/NaN)", str(results["skipped_steps"])),

@@ -162,7 +162,10 @@ class EfficiencyMonitor(Callback):
         else:
             self._peaks = lookup_peaks(self._device_name)
         wanted = self._flops_per_sample or self.count_flops
-        if self.peak_flops is None and self._peaks.entry is None and wanted and not self._told_no_peak:
+        # A CPU has no datasheet peak (it depends on its cores, clock and vector units): no MFU there is expected, not
+        # a fault to fix, so a CPU run prints no notice; the report's ``peak_reason`` says why.
+        unknown = self.peak_flops is None and self._peaks.entry is None and device.type != "cpu"
+        if unknown and wanted and not self._told_no_peak:
             self._told_no_peak = True  # once per monitor, however many fits
             rank_zero_info(
                 f"EfficiencyMonitor: no peak FLOP/s known for {self._device_name!r} ({self._peaks.reason}), so no MFU."

@@ -22,7 +22,7 @@ REPORT_AFTER_S = 300.0  #: seconds without progress after which the strategies' 
 
 
 class HangWatchdog(Callback):
-    """Name a rank that stops making progress, where it is (its stack) and who waits for it; end the job, or report.
+    """Name a rank that stops making progress, where it is (its stack) and who waits for it; on request, end the job.
 
     Its thread reads the training loop's progress counters once per ``interval``: no hook runs per training batch. A
     validation batch or a checkpoint costs one assignment. Only ``fit`` is watched; a second instance stays passive.
@@ -30,7 +30,7 @@ class HangWatchdog(Callback):
 
     Example::
 
-        trainer = Trainer(accelerator="gpu", devices=8, callbacks=[HangWatchdog(timeout=60)])
+        trainer = Trainer(accelerator="gpu", devices=8, callbacks=[HangWatchdog(timeout=60, on_hang="exit")])
 
     Args:
         timeout: seconds a training step (forward, backward, optimizer step), or the time between two, may take.
@@ -38,18 +38,19 @@ class HangWatchdog(Callback):
         validation_timeout: for each validation (and sanity-check) batch, and for the work after the last one.
         checkpoint_timeout: from ``on_save_checkpoint`` until the next phase, or the next batch (writing the file).
         interval: seconds between two publications of a rank's state.
-        on_hang: ``"exit"`` ends every rank with code 124 after the report; ``"report"`` prints it once per stall.
+        on_hang: ``"report"`` (the default) prints the report once per stall and the job goes on; ``"exit"`` ends
+            every rank with code 124 after it, with the launched ranks and the DataLoader workers, no other process.
     """
 
     def __init__(
         self,
-        timeout: float = 30.0,
+        timeout: float = REPORT_AFTER_S,
         first_step_timeout: float = 600.0,
         validation_timeout: float = 600.0,
         checkpoint_timeout: float = 600.0,
         *,
         interval: float = 1.0,
-        on_hang: Literal["exit", "report"] = "exit",
+        on_hang: Literal["report", "report"] = "report",
     ) -> None:
         self.watchdog = ProgressWatchdog(timeout, interval=interval, on_hang=on_hang, owner="HangWatchdog")
         longer = {"first_step": first_step_timeout, "validation": validation_timeout, "checkpoint": checkpoint_timeout}
@@ -131,9 +132,9 @@ def add_hang_watchdog(trainer: pl.Trainer, timeout: float | None) -> HangWatchdo
     if first is not None:
         return first
     if timeout is None:  # a default must never end a healthy job: it reports a long stall, once
-        added = HangWatchdog(REPORT_AFTER_S, on_hang="report")
+        added = HangWatchdog()
     else:
         longer = max(600.0, timeout)
-        added = HangWatchdog(timeout, longer, longer, longer, interval=min(1.0, timeout / 10))
+        added = HangWatchdog(timeout, longer, longer, longer, interval=min(1.0, timeout / 10), on_hang="exit")
     trainer.callbacks.append(added)
     return added

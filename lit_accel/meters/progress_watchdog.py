@@ -35,6 +35,7 @@ __all__ = [
     "Progress",
     "ProgressWatchdog",
     "RankState",
+    "dataloader_workers",
     "format_report",
     "judge",
     "locate",
@@ -135,8 +136,8 @@ class ProgressWatchdog:
     Args:
         timeout: seconds a phase may go without progress unless :meth:`enter` gives it another ``allowance``.
         interval: seconds between two publications of this rank's state (and rank 0's looks at the others').
-        on_hang: ``"exit"`` ends every rank with :data:`HANG_EXIT_CODE` after the report; ``"report"`` prints it
-            once per stall, on rank 0 and the blamed ranks.
+        on_hang: ``"report"`` (the default) prints the report once per stall, on rank 0 and the blamed ranks;
+            ``"exit"`` ends every rank with :data:`HANG_EXIT_CODE` after it (and this rank's DataLoader workers).
     """
 
     def __init__(
@@ -144,12 +145,12 @@ class ProgressWatchdog:
         timeout: float = 30.0,
         *,
         interval: float = 1.0,
-        on_hang: Literal["exit", "report"] = "exit",
+        on_hang: Literal["exit", "report"] = "report",
         owner: str = "ProgressWatchdog",
     ) -> None:
         check_number(owner, "timeout", timeout, fix="pass the seconds a phase may take without progress, e.g. 60")
         check_number(owner, "interval", interval, fix="pass e.g. interval=1.0")
-        check_choice(owner, "on_hang", on_hang, ("exit", "report"), fix="'exit'")
+        check_choice(owner, "on_hang", on_hang, ("exit", "report"), fix="'report', or 'exit' to end the job")
         self.timeout, self.interval, self.on_hang = float(timeout), float(interval), on_hang
         self.report: HangReport | None = None  #: the latest verdict
         self.progress = Progress(0, "idle", None, self.timeout, time.monotonic())  #: what :meth:`enter` recorded
@@ -292,10 +293,32 @@ class ProgressWatchdog:
             self._end()
 
     def _end(self) -> None:
-        """Kill the DataLoader workers (a blocked one would outlive us), let the launched ranks end theirs, exit."""
-        for child in [*multiprocessing.active_children(), *self._children]:
+        """Kill the DataLoader workers (a blocked one would outlive us), let the launched ranks end theirs, exit.
+
+        Only the processes the job owns: another child of this process (a user's, a logger's) is left alone.
+        """
+        for child in [*dataloader_workers(), *self._children]:
             with contextlib.suppress(Exception):
                 if child in self._children:
                     child.wait(self._grace)  # a launched rank ends itself, and its own DataLoader workers
                 child.kill()
         os._exit(HANG_EXIT_CODE)  # no clean shutdown: the blocked collective would never return
+
+
+def dataloader_workers() -> list[Any]:
+    """This process's live DataLoader workers: the ``multiprocessing`` children named by torch's worker loop.
+
+    ``torch.utils.data._utils.worker._worker_loop`` names its thread ``pt_data_worker``
+    (``torch.multiprocessing._set_thread_name``), which Linux shows in ``/proc/<pid>/comm``; ``Process`` drops its
+    target once started. Other children of the process (a user's own, a logger's) are not among them; without
+    ``/proc`` none is found (a worker then ends by itself once it sees its parent gone).
+    """
+
+    def named_by_torch(pid: int | None) -> bool:
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                return comm.read().strip() == "pt_data_worker"
+        except OSError:
+            return False
+
+    return [child for child in multiprocessing.active_children() if named_by_torch(child.pid)]

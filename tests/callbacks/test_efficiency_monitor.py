@@ -176,14 +176,29 @@ def _perf_rows(rows: list[dict[str, str]]) -> list[dict[str, str]]:
     return [r for r in rows if r.get("perf/samples_per_sec")]
 
 
-def test_unknown_device_logs_no_mfu_and_one_info_line(tmp_path, caplog):
+def test_a_cpu_run_logs_no_mfu_and_no_line(tmp_path, caplog):
+    """A CPU has no datasheet peak: no MFU is expected there, so nothing is printed about it (issue #51)."""
+    monitor = EfficiencyMonitor(warmup_steps=1, print_summary=False)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        rows = _perf_rows(_fit_cpu(tmp_path, EfficiencyMonitor(warmup_steps=1, print_summary=False)))
-    lines = [r.getMessage() for r in caplog.records if "EfficiencyMonitor" in r.getMessage()]
-    assert len(lines) == 1
-    assert "no peak FLOP/s known for 'cpu'" in lines[0] and "peak_flops=" in lines[0]
+        rows = _perf_rows(_fit_cpu(tmp_path, monitor))
+    assert [r.getMessage() for r in caplog.records if "EfficiencyMonitor" in r.getMessage()] == []
     assert rows and all(r["perf/tflops_per_device"] for r in rows)
     assert "perf/mfu" not in rows[0]
+    assert "cpu" in monitor.report["config"]["peak_reason"]
+
+
+def test_an_unknown_accelerator_gets_one_info_line_asking_for_its_peak(caplog):
+    from types import SimpleNamespace
+
+    # setup() reads only the device and the precision: a device no table knows stands for a card not in it
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")), precision="bf16-mixed")
+    monitor = EfficiencyMonitor(print_summary=False)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        monitor.setup(trainer, None, "fit")
+        monitor.setup(trainer, None, "fit")  # a second fit: said once per monitor
+    lines = [r.getMessage() for r in caplog.records if "EfficiencyMonitor" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "no peak FLOP/s known for 'meta'" in lines[0] and "Fix: pass EfficiencyMonitor(peak_flops=" in lines[0]
 
 
 def test_mfu_above_100_percent_is_refused_with_one_warning(tmp_path):

@@ -39,6 +39,7 @@ from lit_accel.meters.progress_watchdog import (
     Position,
     ProgressWatchdog,
     RankState,
+    dataloader_workers,
     format_report,
     judge,
     locate,
@@ -96,8 +97,9 @@ def _command(name: str, mode: str, devices: int, rank: int, tmp: Path) -> list[s
             *args,
         ]
     strategy = ["--strategy", "accel_fsdp"] if name.endswith("fsdp") else []
-    return [sys.executable, str(SCRIPT), "--mode", mode, "--devices", str(devices), *args, *strategy, "--root",
-            str(tmp / name)]  # fmt: skip
+    bystander = ["--bystander"] if name in _BYSTANDER_JOBS else []
+    return [sys.executable, str(SCRIPT), "--mode", mode, "--devices", str(devices), *args, *strategy, *bystander,
+            "--root", str(tmp / name)]  # fmt: skip
 
 
 class _Launch:
@@ -160,6 +162,7 @@ _SLOW_JOBS = {
     "own-code-2": ("epoch_end", 2, 0),
 }
 _DEFAULT_JOBS = {"default-ddp": ("epoch_end", 2, 0), "default-fsdp": ("epoch_end", 2, 0)}
+_BYSTANDER_JOBS = {"sleep-2"}  # each rank starts a child of its own, which ending the job must leave running
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -182,9 +185,11 @@ def slow_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Job]:
 
 
 def _check_ended_in_time(job: _Job) -> None:
+    """Exit 124 in time, and nothing of the job left running but the children the job does not own."""
     assert job.returncode == HANG_EXIT_CODE, job.output[-6000:]
     assert job.detect_s < DETECT_S, job.output[-6000:]
-    assert not job.leftover, job.output[-6000:]
+    bystanders = sorted(int(pid) for pid in re.findall(r"BYSTANDER_PID (\d+)", job.output))
+    assert sorted(job.leftover) == bystanders, job.output[-6000:]
 
 
 def _check_names_stuck_rank_phase_and_stack(output: str, devices: int, stuck: int, phase: str, frame: str) -> None:
@@ -710,6 +715,25 @@ def test_slow_first_step_validation_and_checkpoint_within_their_allowances_raise
     assert {"first step", "validation", "checkpoint"} <= set(slept), slept  # each slow phase happened
 
 
+def test_a_users_hang_watchdog_reports_a_stall_by_default_and_the_job_goes_on(tmp_path, monkeypatch, capfd):
+    """Issue #51: a callback a user adds to watch never ends the job unless asked (``on_hang="exit"``)."""
+    import lightning.pytorch as pl
+
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)  # had it ended the job, this test process would be gone
+
+    class Stall(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 2:
+                time.sleep(2.0)
+
+    watchdog = HangWatchdog(0.6, first_step_timeout=30.0, interval=0.15)  # on_hang left at its default
+    trainer = _tiny_fit([watchdog, Stall()], tmp_path, max_steps=4, limit_val_batches=0, enable_checkpointing=False)
+    assert watchdog.report is not None and watchdog.report.culprits == (0,)
+    assert "HangWatchdog: rank 0 has made no progress for" in capfd.readouterr().err
+    assert trainer.global_step == 4 and exits == []
+
+
 def test_a_second_watchdog_in_the_same_trainer_stays_passive(tmp_path):
     first, second = HangWatchdog(60.0), HangWatchdog(30.0)
     with pytest.warns(UserWarning, match=r"HangWatchdog\(timeout=30\) stays passive.*Fix: pass a single"):
@@ -877,6 +901,27 @@ def test_bad_arguments_name_the_value_and_the_fix(kwargs, error, match):
         HangWatchdog(**kwargs)
 
 
+def test_the_dataloader_workers_ended_with_the_job_are_the_loaders_and_no_other_child():
+    """Found by the name torch's worker loop gives its thread (``pt_data_worker``): a user's own child is not one."""
+    import multiprocessing
+    import time
+
+    other = multiprocessing.Process(target=time.sleep, args=(60,), daemon=True)  # a child of the user's own
+    other.start()
+    try:
+        from torch.utils.data import DataLoader, TensorDataset
+
+        loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2, persistent_workers=True)
+        batches = iter(loader)
+        next(batches)  # the workers are running
+        workers = dataloader_workers()
+        assert len(workers) == 2 and other not in workers and all(w.is_alive() for w in workers)
+        del batches
+    finally:
+        other.kill()
+        other.join()
+
+
 def test_core_start_without_a_process_group_for_several_ranks_says_what_to_do(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"no process group\. Fix: .*start it after init_process_group"):
@@ -904,6 +949,8 @@ def test_ending_the_process_needs_no_new_thread(monkeypatch):
 
 
 def test_job_ends_non_zero_within_seconds_of_the_timeout_and_leaves_nothing_running(jobs):
+    """Ending the job ends only what it owns: the child each rank started of its own (a logger's, say) survives."""
+    assert len(re.findall(r"BYSTANDER_PID \d+", jobs["sleep-2"].output)) == 2, jobs["sleep-2"].output[-6000:]
     _check_ended_in_time(jobs["sleep-2"])
 
 

@@ -47,12 +47,11 @@ UPSTREAM_LINES = (
 )
 # lit_accel's own lines the examples' defaults may print: notes (rank_zero_info), never warnings.
 OUR_NOTES = (
-    r"EfficiencyMonitor: no peak FLOP/s known for 'cpu' .*",  # said once per run (a CPU has no datasheet peak)
     r"AccelDDP: global batch \d+ = .*",  # the global batch's decomposition, when one is set
 )
 
 
-def unexpected_stderr_lines(stderr: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The lines of ``stderr`` that are neither a listed upstream line nor one of our notes."""
-    allowed = [re.compile(pattern) for pattern in (*UPSTREAM_LINES, *OUR_NOTES, *extra)]
+def unexpected_stderr_lines(stderr: str, extra: tuple[str, ...] = (), notes: bool = True) -> list[str]:
+    """The lines of ``stderr`` that are neither a listed upstream line nor (with ``notes``) one of our notes."""
+    allowed = [re.compile(pattern) for pattern in (*UPSTREAM_LINES, *(OUR_NOTES if notes else ()), *extra)]
     return [line for line in stderr.splitlines() if line.strip() and not any(p.fullmatch(line) for p in allowed)]

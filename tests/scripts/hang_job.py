@@ -14,6 +14,7 @@ Usage::
 fetching the batch of that step (in the main process / in a DataLoader worker). ``divergent``: after validating at
 that step, every other rank makes an ``all_reduce`` in ``on_validation_epoch_end``, the rank skips it and enters the
 next training step's collectives. In these modes the watchdog must end the job within seconds of the timeout.
+With ``--bystander`` each rank first starts a child process of its own, which the ended job must leave running.
 ``slow_ok`` runs a slow first step, a slow rank, a 20 s validation and slow checkpoint saves, none of which may
 trigger it. ``epoch_end``: the rank works ``--sleep`` seconds in a callback's ``on_train_epoch_end`` of the first of
 two 8-step epochs: a healthy job that the default strategy (no ``--timeout``) must finish.
@@ -22,6 +23,7 @@ two 8-step epochs: a healthy job that the default strategy (no ``--timeout``) mu
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
 from typing import Any
@@ -37,6 +39,8 @@ from lit_accel import AccelDDP, AccelFSDP
 
 # Printed by the hanging rank just before it blocks, with the wall-clock time, so the test can time the detection.
 HANG_MARKER = "HANG_STARTS_AT"
+BYSTANDER_MARKER = "BYSTANDER_PID"  # printed with the pid of each rank's own child (``--bystander``)
+BYSTANDER_S = 600.0  # how long a bystander lives at most: the test kills it once the job has ended
 BATCH = 4
 
 
@@ -133,6 +137,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=45.0, help="epoch_end: seconds of the rank's own work")
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--root", default=None, help="Trainer(default_root_dir=): where checkpoints go")
+    parser.add_argument("--bystander", action="store_true", help="each rank starts a child the job does not own")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -162,6 +167,10 @@ def main() -> None:
         default_root_dir=args.root,
     )
     val = DataLoader(_Data(None, 0), batch_size=BATCH)
+    if args.bystander:  # a child of the user's own (a logger's service, say): ending the job must leave it alone
+        bystander = multiprocessing.Process(target=time.sleep, args=(BYSTANDER_S,), daemon=True)
+        bystander.start()
+        print(f"{BYSTANDER_MARKER} {bystander.pid}", file=sys.stderr, flush=True)
     trainer.fit(_Model(args), loader, val)
     print(f"rank {trainer.global_rank} finished {trainer.global_step} steps", file=sys.stderr)
 

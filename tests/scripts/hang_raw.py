@@ -37,7 +37,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    watchdog = ProgressWatchdog(args.timeout, interval=0.5)
+    watchdog = ProgressWatchdog(args.timeout, interval=0.5, on_hang="exit")
     watchdog.start()
     try:
         for step in range(50):
