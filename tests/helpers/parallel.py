@@ -17,7 +17,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lit_accel import PipelineLoss
 from tests.helpers.models import small_trainer_kwargs
 
-__all__ = ["Block", "GradRecorder", "PipeModel", "dataset", "fit_parallel", "fit_reference", "full", "merge"]
+__all__ = [
+    "Block", "GradRecorder", "PipeModel", "TimmViT", "dataset", "fit_parallel", "fit_reference", "full",
+    "image_dataset", "merge",
+]  # fmt: skip
 
 IN, OUT = 6, 3
 
@@ -64,6 +67,67 @@ def dataset(n: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
 
 
+VIT_IMAGE = 8  # the side of the images TimmViT takes (4 x 4 pixel patches: 4 patches and the class token)
+
+
+def image_dataset(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, VIT_IMAGE, VIT_IMAGE, generator=g), torch.randn(n, OUT, generator=g))
+
+
+class ViTEmbed(nn.Module):
+    """What timm's ``VisionTransformer.forward_features`` runs before its blocks, folded into one pipeline unit: the
+    patches, the class token and the position embedding (its default ``class_token=True``, no register tokens)."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.patch_embed, self.norm_pre = vit.patch_embed, vit.norm_pre
+        self.cls_token, self.pos_embed = vit.cls_token, vit.pos_embed
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embed(images)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.norm_pre(x)
+
+
+class ViTHead(nn.Module):
+    """What timm's ViT runs after its blocks (``norm``, then ``forward_head`` with its default class-token pool)."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.fc_norm, self.head = vit.norm, vit.fc_norm, vit.head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.fc_norm(self.norm(x)[:, 0]))
+
+
+class TimmViT(PipelineLoss, pl.LightningModule):
+    """timm's ``VisionTransformer`` with the pipeline units docs/strategies.md asks for: ``embed``, its own
+    ``blocks``, ``head``; the same weights as ``self.vit_forward``'s model, which gives the same output."""
+
+    def __init__(self, depth: int = 2, lr: float = 0.1) -> None:
+        super().__init__()
+        from timm.models.vision_transformer import VisionTransformer
+
+        self.lr = lr
+        vit = VisionTransformer(img_size=VIT_IMAGE, patch_size=4, embed_dim=16, depth=depth, num_heads=2,
+                                num_classes=OUT)  # fmt: skip
+        self.embed, self.blocks, self.head = ViTEmbed(vit), vit.blocks, ViTHead(vit)
+        self.vit_forward = vit.forward  # timm's own forward on these very modules (not registered: no unit)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.embed(images)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(output.float(), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
 def full(value: Tensor) -> Tensor:
     """A full CPU copy (a collective over its mesh for a DTensor: call it on every rank)."""
     from torch.distributed.tensor import DTensor
@@ -90,7 +154,8 @@ def _result(trainer: pl.Trainer, module: pl.LightningModule, recorder: GradRecor
 
 
 def fit_reference(samples: int, global_batch: int, steps: int, make_model: Any = PipeModel,
-                  shuffle_seed: int | None = None, **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+                  shuffle_seed: int | None = None, make_data: Any = dataset,
+                  **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """One process, one batch of ``global_batch`` samples per step (shuffled per epoch as a seeded sampler would)."""
     pl.seed_everything(0, verbose=False)
     model = make_model()
@@ -98,14 +163,15 @@ def fit_reference(samples: int, global_batch: int, steps: int, make_model: Any =
     kwargs = small_trainer_kwargs(max_steps=steps, max_epochs=-1, callbacks=[recorder])
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)
-    data = dataset(samples)
+    data = make_data(samples)
     sampler = None if shuffle_seed is None else DistributedSampler(data, 1, 0, shuffle=True, seed=shuffle_seed)
     trainer.fit(model, DataLoader(data, batch_size=global_batch, shuffle=False, sampler=sampler))
     return _result(trainer, model, recorder)
 
 
 def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples: int, loaded: int, steps: int,
-                 make_model: Any = PipeModel, **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+                 make_model: Any = PipeModel, make_data: Any = dataset,
+                 **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """One rank of an AccelParallel fit; each data-parallel replica loads ``loaded`` samples per step."""
     from lit_accel import AccelParallel
     from lit_accel.strategies.parallel._layout import ParallelLayout
@@ -114,13 +180,14 @@ def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples
     model = make_model()
     strategy = AccelParallel(**strategy_kwargs)
     layout = ParallelLayout.from_world("test", world, strategy.pipeline_parallel, strategy.tensor_parallel, 1)
-    sampler = DistributedSampler(dataset(samples), layout.data, layout.data_rank(rank), shuffle=False)
+    data = make_data(samples)
+    sampler = DistributedSampler(data, layout.data, layout.data_rank(rank), shuffle=False)
     recorder = GradRecorder()
     kwargs = small_trainer_kwargs(devices=world, max_steps=steps, max_epochs=-1, use_distributed_sampler=False)
     kwargs.update(trainer_kwargs)
     kwargs["callbacks"] = [recorder, *kwargs.get("callbacks", [])]
     trainer = pl.Trainer(strategy=strategy, **kwargs)
-    trainer.fit(model, DataLoader(dataset(samples), batch_size=loaded, sampler=sampler))
+    trainer.fit(model, DataLoader(data, batch_size=loaded, sampler=sampler))
     result = _result(trainer, model, recorder)
     counters = ("rounds", "reduce_scatters", "all_gathers", "p2p_sends", "p2p_bytes")
     result["comm"] = {k: getattr(strategy.comm_stats, k) for k in counters}

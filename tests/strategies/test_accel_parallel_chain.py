@@ -141,9 +141,12 @@ def test_a_pipeline_of_a_model_that_keeps_the_contract_still_trains():
 class _UpDown(PipelineLoss, pl.LightningModule):
     """Linear(IN, 8) then Linear(8, OUT): issue #45's pair, for tensor plans the right and the wrong way round."""
 
-    def __init__(self) -> None:
+    def __init__(self, act: str = "relu") -> None:
         super().__init__()
-        self.up, self.act, self.down = nn.Linear(IN, 8), nn.ReLU(), nn.Linear(8, OUT)
+        # a softmax over the hidden width is parameter-free, so "auto" pairs up and down across it, but it is not
+        # elementwise: on a shard it normalises over half the width
+        activation = nn.Softmax(dim=-1) if act == "softmax" else nn.ReLU()
+        self.up, self.act, self.down = nn.Linear(IN, 8), activation, nn.Linear(8, OUT)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.act(self.up(x)))
@@ -169,13 +172,19 @@ def test_a_tensor_plan_without_its_pairs_is_refused_naming_the_entry(plan, entry
     assert resolve_plan("AccelParallel", _UpDown(), {"up": "colwise", "down": "rowwise"}, 2)  # the right way round
 
 
-def _fit_plan(rank: int, world: int, plan: dict[str, str]) -> dict[str, Any]:
+def _fit_plan(rank: int, world: int, plan: Any, act: str = "relu") -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    model = _UpDown(act)
+    before = {name: value.detach().clone() for name, value in model.state_dict().items()}
     trainer = pl.Trainer(strategy=AccelParallel(tensor_parallel=2, tensor_plan=plan),
                          **small_trainer_kwargs(devices=world, max_steps=2, max_epochs=-1))  # fmt: skip
     try:
-        trainer.fit(_UpDown(), DataLoader(dataset(32), batch_size=8))
+        trainer.fit(model, DataLoader(dataset(32), batch_size=8))
     except ValueError as err:
-        return {"error": str(err), "steps": trainer.global_step}
+        from tests.helpers.parallel import full
+
+        moved = [name for name, value in model.state_dict().items() if not torch.equal(full(value), before[name])]
+        return {"error": str(err), "steps": trainer.global_step, "moved": moved}
     return {"error": None, "steps": trainer.global_step}
 
 
@@ -183,9 +192,22 @@ def test_a_wrong_tensor_plan_is_refused_on_every_rank_before_the_first_step():
     for result in run_distributed(_fit_plan, 2, {"up": "rowwise", "down": "colwise"}, init_process_group=False,
                                   timeout=120):  # fmt: skip
         assert result["steps"] == 0 and "entry 'up'" in (result["error"] or ""), result
+        assert result["moved"] == [], result
     for result in run_distributed(_fit_plan, 2, {"up": "colwise", "down": "rowwise"}, init_process_group=False,
                                   timeout=120):  # fmt: skip
         assert result == {"error": None, "steps": 2}
+
+
+def test_a_plan_that_shards_across_an_operation_that_is_not_elementwise_is_refused_before_the_first_step():
+    """The sharded forward is compared with the unsharded one on the first batch (parallel/_plan_check.py): "auto"
+    pairs up and down across a softmax over the hidden width, which would train a different model."""
+    for result in run_distributed(_fit_plan, 2, "auto", "softmax", init_process_group=False, timeout=120):
+        error = result["error"] or ""
+        assert result["steps"] == 0 and result["moved"] == [], result
+        assert "the tensor plan would train a different model: the model gives another output sharded" in error, error
+        assert "relative difference" in error and "Fix: pair each 'colwise' Linear" in error, error
+    for result in run_distributed(_fit_plan, 2, "auto", "relu", init_process_group=False, timeout=120):
+        assert result == {"error": None, "steps": 2}  # elementwise between the pair: checked, equal, trained
 
 
 def test_models_as_timm_defines_them_pass_only_when_their_units_are_the_forward():

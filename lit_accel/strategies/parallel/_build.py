@@ -19,6 +19,7 @@ from torch import nn
 
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies.parallel import _chain, _stages, _tensor_plan
+from lit_accel.strategies.parallel._plan_check import PlanCheck
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ class ParallelModel:
     num_stages: int = 1
     #: every unit name and the first unit index of each stage (for messages and the docs' table)
     stage_starts: list[int] = dataclasses.field(default_factory=list)
+    #: the tensor plan's check against the unsharded model (armed for the first training forward), with a plan
+    plan_check: PlanCheck | None = None
 
 
 def _check_loose(owner: str, module: nn.Module, layout: ParallelLayout) -> None:
@@ -110,7 +113,9 @@ def build_parallel_model(
     _compat.materialize_distributed_module(module, device)
     precision.convert_module(module)
     module.to(device)
-    tensor_modules = _tensor_plan.apply_plan(module, mesh["tensor"], plan) if plan else []
+    tensor_modules, changed = _tensor_plan.apply_plan(module, mesh["tensor"], plan) if plan else ([], {})
+    # every rank (a stage without parallelised modules too): the verdict is agreed over the world
+    plan_check = PlanCheck(owner, module, tensor_modules, changed, mesh["tensor"].get_group()) if plan else None
     # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
     # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
     shards = layout.data > 1 or layout.tensor > 1
@@ -123,7 +128,7 @@ def build_parallel_model(
     roots: list[nn.Module] = []
     if shards:
         roots = _shard(module, stages, blocks, layout.data_mesh(mesh), config)
-    return ParallelModel(stages, roots, tensor_modules, num_stages, starts)
+    return ParallelModel(stages, roots, tensor_modules, num_stages, starts, plan_check)
 
 
 def _shard(

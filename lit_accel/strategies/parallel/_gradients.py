@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from torch import Tensor
     from torch.optim import Optimizer
 
-__all__ = ["agree_and_clip_", "agreeing_closure", "total_norm"]
+__all__ = ["agree_and_clip_", "agreeing_closure", "loss_scale", "take_clipping", "total_norm"]
 
 
 def _local_grads(params: list[torch.nn.Parameter], ranks_per_stage: int) -> dict[float, list[Tensor]]:
@@ -131,3 +132,23 @@ def agreeing_closure(
         return result
 
     return run
+
+
+def take_clipping(trainer: pl.Trainer) -> tuple[float, Any] | None:
+    """Take norm clipping from the Trainer: ``(value, algorithm)``, or ``None`` where it clips by value or not at all.
+
+    The strategy clips over every stage and mesh dimension; Lightning's would use one stage's shards.
+    """
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+        taken = (float(trainer.gradient_clip_val), trainer.gradient_clip_algorithm)
+        trainer.gradient_clip_val = None
+        return taken
+    return None
+
+
+def loss_scale(precision_plugin: Any, device: torch.device) -> Tensor | None:
+    """The fp16 scale as a device tensor, recorded by the scaler on every stage (only the last one scales)."""
+    scaler = getattr(precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return scaler.scale(torch.ones((), device=device))

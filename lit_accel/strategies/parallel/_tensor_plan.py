@@ -164,14 +164,19 @@ def _check_pairs(owner: str, model: nn.Module, plan: dict[str, Any]) -> None:
             )
 
 
-def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> list[str]:
-    """Parallelize the modules of ``plan`` that this rank holds; divide attention head counts. Names applied."""
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> tuple[list[str], dict[str, dict]]:
+    """Parallelize the modules of ``plan`` that this rank holds; divide attention head counts.
+
+    Returns:
+        The names applied, and parent name -> {attribute: its value before} for each attribute changed.
+    """
     from torch.distributed.tensor.parallel import parallelize_module
 
     present = {name: module for name, module in model.named_modules()}
     local = {name: style for name, style in plan.items() if name in present and type(present[name]) is not nn.Identity}
     if local:
         parallelize_module(model, mesh, {name: _style(style) for name, style in local.items()})
+    changed: dict[str, dict] = {}
     for name in sorted({n.rpartition(".")[0] for n in local}):
         parent = model.get_submodule(name)
         if _attention(parent) is not None:
@@ -179,9 +184,10 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> list
             if heads is not None:
                 before = getattr(parent, heads)
                 setattr(parent, heads, before // mesh.size())
+                changed[name] = {heads: before}
                 # the user's object changes: said once, naming the attribute and both values
                 rank_zero_info(
                     f"tensor_parallel={mesh.size()}: {name or 'the model'}.{heads} changed from {before} to"
                     f" {before // mesh.size()} on every rank (its reshapes see the local heads)."
                 )
-    return sorted(local)
+    return sorted(local), changed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,6 +24,7 @@ from lit_accel.strategies.parallel._batch import check_no_accumulation, pipeline
 from lit_accel.strategies.parallel._build import BuildConfig, ParallelModel, build_parallel_model
 from lit_accel.strategies.parallel._layout import ParallelLayout
 from lit_accel.strategies.parallel._pipeline import PipelineRunner
+from lit_accel.strategies.parallel._plan_check import PlanCheck
 from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec
 from lit_accel.strategies.parallel._stage import ParallelCommStats
 from lit_accel.strategies.parallel._stages import stage_placement
@@ -133,6 +134,7 @@ class AccelParallel(ModelParallelStrategy):
         self._layout: ParallelLayout | None = None
         self._mesh: DeviceMesh | None = None
         self._built: ParallelModel | None = None
+        self._plan_check: PlanCheck | None = None  # until the first optimizer step of the first fit
         self._pipeline: PipelineRunner | None = None
         self._comm_stats = ParallelCommStats()
         self._sync = GradientSync()  # FSDP's gradient reduction, off for a window's non-final backward passes
@@ -249,7 +251,7 @@ class AccelParallel(ModelParallelStrategy):
         self.barrier()
         if fitting:
             self._plan_pipeline()
-            self._take_clipping(trainer)
+            self._clip = _gradients.take_clipping(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
@@ -278,7 +280,7 @@ class AccelParallel(ModelParallelStrategy):
                                      precision, config)  # fmt: skip
         for root in [*built.fsdp_roots, *built.stages]:
             install_counting_comms(root, self._comm_stats)
-        self._built, self._sync.roots = built, built.fsdp_roots
+        self._built, self._sync.roots, self._plan_check = built, built.fsdp_roots, built.plan_check
         if built.stages:
             self._pipeline = PipelineRunner(name, spec, built.stages, built.num_stages,
                                             self.device_mesh["pipeline"].get_group(), self.root_device,
@@ -294,33 +296,28 @@ class AccelParallel(ModelParallelStrategy):
         pipeline.microbatches = plan.micro_batches
         _checks.check_pipeline_batch(type(self).__name__, pipeline, plan)
 
-    def _take_clipping(self, trainer: pl.Trainer) -> None:
-        """Clip by norm here, over every stage and mesh dimension: Lightning's would use one stage's shards."""
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
-            self._clip = (float(trainer.gradient_clip_val), trainer.gradient_clip_algorithm)
-            trainer.gradient_clip_val = None
-
     # ------------------------------------------------------------------ steps
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._plan_check is not None:
+            self._plan_check.arm()  # after the sanity check: the first training forward is compared
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self.parts.training_step(self, self._training_step, *args, **kwargs)
+        check = self._plan_check
+        with check.eager(self.parts.compilation is not None) if check is not None else nullcontext():
+            return self.parts.training_step(self, self._training_step, *args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """A loaded batch (or micro-batch) through Lightning's ``training_step``, or all its micro-batches' pipeline."""
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
-        scale = self._loss_scale()
+        scale = _gradients.loss_scale(self.precision_plugin, self.root_device)
         with self.precision_plugin.train_step_context():
             return self._pipeline.train_step(args[0], self.lightning_module, scale)
-
-    def _loss_scale(self) -> Tensor | None:
-        """The fp16 scale as a device tensor, recorded by the scaler on every stage (only the last one scales)."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or not scaler.is_enabled():
-            return None
-        return scaler.scale(torch.ones((), device=self.root_device))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -355,6 +352,8 @@ class AccelParallel(ModelParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # AccelParts' closure ends the window (a short one made exact); inside it, the agreement over the mesh.
+        if self._plan_check is not None:  # the first step: after its forward and backward, before any update
+            closure = self._plan_check.verdict_after(closure)
         return self.parts.optimizer_step(self._agreeing_step, optimizer, closure, model, **kwargs)
 
     def _agreeing_step(self, optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
