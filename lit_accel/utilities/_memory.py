@@ -1,6 +1,7 @@
 """Device memory for ``micro_batch_size="auto"``: what is free, the peak of a probe, and optimizer state to come.
 
-CUDA: the caching allocator's counters (``memory_allocated``, ``max_memory_allocated``, ``mem_get_info``). CPU
+CUDA: the caching allocator's counters (``memory_allocated``, ``max_memory_allocated``, ``mem_get_info``) and the
+per-process fraction it may reserve (``set_per_process_memory_fraction``). CPU
 (Linux): the process's address-space limit (``RLIMIT_AS``) and ``MemAvailable``, and the resident-set high-water mark
 ``VmHWM``, which writing ``5`` to ``/proc/self/clear_refs`` resets (``man 5 proc``); under an address-space limit also
 the growth of ``VmPeak``, the mapped size's high-water mark, when the block raised it.
@@ -11,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import resource
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["PeakMemory", "available_bytes", "optimizer_state_bytes"]
+__all__ = ["CudaMemory", "PeakMemory", "available_bytes", "optimizer_state_bytes"]
 
 
 def _status_kib(field: str) -> int | None:
@@ -40,15 +42,44 @@ def _mem_available() -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class CudaMemory:
+    """What a CUDA device and torch's caching allocator tell this process (bytes), and what it may still allocate."""
+
+    free: int  #: free on the device (``mem_get_info``): what other processes hold is not free
+    total: int  #: the device's memory
+    reserved: int  #: what this process's allocator holds (``memory_reserved``)
+    allocated: int  #: what its tensors use of that (``memory_allocated``)
+    fraction: float = 1.0  #: the share of ``total`` the allocator may reserve (``set_per_process_memory_fraction``)
+
+    @classmethod
+    def read(cls, device: torch.device) -> CudaMemory:
+        free, total = torch.cuda.mem_get_info(device)
+        # set_per_process_memory_fraction's, or PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        return cls(free, total, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device), fraction)
+
+    @property
+    def allocatable(self) -> int:
+        """The device's free memory plus the unused cache, never past the fraction's cap less what tensors use.
+
+        The allocator refuses a block that would take what it reserves past ``fraction x total``, after releasing
+        its unused cache; so under the cap it may still allocate ``fraction x total - allocated``.
+        """
+        by_device = self.free + self.reserved - self.allocated
+        by_fraction = int(self.fraction * self.total) - self.allocated
+        return max(min(by_device, by_fraction), 0)
+
+
 def available_bytes(device: torch.device, local_ranks: int = 1) -> int | None:
     """Bytes this rank may still allocate on ``device``, or ``None`` when it cannot be known.
 
-    CUDA: free device memory plus what torch's cache holds unused. CPU: the smaller of the address space left under
-    ``RLIMIT_AS`` and this rank's share of ``MemAvailable`` (the ``local_ranks`` processes of a node share it).
+    CUDA: :attr:`CudaMemory.allocatable` (what the device has free and torch's cache holds unused, within the
+    per-process fraction). CPU: the smaller of the address space left under ``RLIMIT_AS`` and this rank's share of
+    ``MemAvailable`` (the ``local_ranks`` processes of a node share it).
     """
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return CudaMemory.read(device).allocatable
     limits = []
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     size = _status_kib("VmSize")

@@ -8,7 +8,7 @@ from torch import nn
 
 from lit_accel import AccelDDP, AccelFSDP
 from lit_accel.strategies._micro_batches import MicroBatchHost
-from lit_accel.utilities._memory import PeakMemory, available_bytes, optimizer_state_bytes
+from lit_accel.utilities._memory import CudaMemory, PeakMemory, available_bytes, optimizer_state_bytes
 
 
 def test_optimizer_state_is_found_on_meta_tensors_before_the_first_step():
@@ -40,3 +40,22 @@ def test_both_strategies_are_micro_batch_hosts():
     for strategy in (AccelDDP(), AccelFSDP()):
         pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)  # (root_device needs the devices)
         assert isinstance(strategy, MicroBatchHost), type(strategy).__name__
+
+
+GB = 10**9
+
+
+def test_what_a_cuda_process_may_allocate_honours_its_fraction_and_other_processes():
+    """Issue #46: the device's free memory is not all this process's (from given device figures)."""
+    # an 80 GB device with 60 GB free; this process's tensors use 10 GB of the 12 GB its allocator holds
+    alone = CudaMemory(free=60 * GB, total=80 * GB, reserved=12 * GB, allocated=10 * GB)
+    assert alone.allocatable == 62 * GB  # free, plus the 2 GB cached unused
+    # set_per_process_memory_fraction(0.5): the allocator reserves at most 40 GB, of which tensors use 10
+    capped = CudaMemory(free=60 * GB, total=80 * GB, reserved=12 * GB, allocated=10 * GB, fraction=0.5)
+    assert capped.allocatable == 30 * GB
+    # other processes hold 63 GB more of the device: only 5 GB are free, whatever the fraction allows
+    shared = CudaMemory(free=5 * GB, total=80 * GB, reserved=12 * GB, allocated=10 * GB, fraction=0.5)
+    assert shared.allocatable == 7 * GB
+    # a fraction already used up: nothing, never a negative size
+    full = CudaMemory(free=60 * GB, total=80 * GB, reserved=12 * GB, allocated=10 * GB, fraction=0.1)
+    assert full.allocatable == 0
