@@ -195,6 +195,9 @@ class StagePlacement(NamedTuple):
 
     pipeline_rank: int
     stages: tuple[tuple[int, ...], ...]
+    #: micro-batches of the last training step's loaded batch (1 before the first): what a rank's saved
+    #: activations over a step are divided by, for one micro-batch's
+    microbatches: int = 1
 
 
 @runtime_checkable

@@ -87,6 +87,7 @@ class MemoryMonitor(Callback):
         self.report: dict[str, Any] = {}
         self.meter: MemoryMeter | None = None
         self._placement: StagePlacement | None = None
+        self._skip_batches = 0  # training batches to pass before measuring activations
         self._step_label = 0
         self._logged_label: int | None = None
         self._last_step = 0  # global step at the end of the previous batch (a batch that moves it stepped)
@@ -101,6 +102,8 @@ class MemoryMonitor(Callback):
         self.meter = MemoryMeter(strategy.root_device, world_size=trainer.world_size, stage=stage)
         self._step_label, self._logged_label = batches_that_stepped(trainer), None
         self._last_step = trainer.global_step
+        # a pipeline's first step also runs torch's shape inference (one more forward and backward): the next one
+        self._skip_batches = 0 if self._placement is None else 1
         self._measuring(self.measure_activations)
         wake(self, "on_before_optimizer_step")  # whatever an earlier fit left
         self._awake_before_step = True
@@ -139,13 +142,17 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.meter is not None
-        if self.measure_activations and not self.meter.activations_measured:
+        if self._skip_batches:
+            self._skip_batches -= 1
+        elif self.measure_activations and not self.meter.activations_measured:
             self.meter.start_activations(pl_module)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         assert self.meter is not None
-        self.meter.stop_activations()  # the forward's saved tensors; the backward's recomputation is not held
+        # the forward's saved tensors (the backward's recomputation is not held); a pipeline's, of every micro-batch
+        placement = trainer.strategy.pipeline_stages if self._placement is not None else None
+        self.meter.stop_activations(1 if placement is None else placement.microbatches)
         if self.meter.activations_measured:
             self._measuring(False)
 

@@ -2,7 +2,8 @@
 
 ``size_tensors`` books each tensor's local bytes by dtype and its unsharded size: an FSDP2 ``DTensor`` reports its
 global shape, ``to_local()`` gives the shard this rank holds. :class:`SavedTensorProbe` measures the activation memory
-of one forward: the unique storages autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``),
+of one forward: the unique storages autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``;
+sizes and weak references only, so it keeps none of them alive),
 without the parameters (nor the tensors sharing a parameter's storage, such as its transpose or FSDP2's unsharded
 copy) and with autocast's per-op parameter casts counted apart. Tensors that activation checkpointing keeps for its
 recomputation (each region's inputs) are saved through the same hooks, so they count; the recomputed ones do not.
@@ -10,6 +11,7 @@ recomputation (each region's inputs) are saved through the same hooks, so they c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -97,10 +99,12 @@ class SavedTensorProbe:
     """
 
     def __init__(self, parameters: Iterable[Tensor]) -> None:
-        # Storage objects keep one Python identity per storage while alive (PyTorch preserves the PyObject), and the
-        # saved ones stay alive until the backward: id() cannot be reused by another storage while we look.
+        # Storage objects keep one Python identity per storage while alive (PyTorch preserves the PyObject). The
+        # probe holds none: a weak reference tells a storage seen before from a new one that took a freed one's id
+        # (a pipeline's backward frees a micro-batch's activations while the next ones are saved).
         self._params = {id(s): s for s in (_local(p).untyped_storage() for p in parameters)}
-        self._seen: dict[int, tuple[Any, float, str, _Kind]] = {}
+        self._seen: dict[int, tuple[weakref.ref, float, str, _Kind]] = {}
+        self._bytes: dict[tuple[_Kind, str], float] = {}  # every storage counted, alive or not
         self._hooks: Any = None
 
     @property
@@ -119,12 +123,13 @@ class SavedTensorProbe:
         if hooks is not None:
             hooks.__exit__(None, None, None)
         activations, casts = DtypeBytes(), 0.0
-        for _, nbytes, slot, kind in self._seen.values():
+        for (kind, slot), nbytes in self._bytes.items():
             if kind == "activation":
                 activations.add(slot, nbytes)
             elif kind == "cast":
                 casts += nbytes
-        self._seen.clear()  # drop the references: the storages are autograd's again
+        self._seen.clear()
+        self._bytes.clear()
         return activations, casts
 
     def _pack(self, tensor: Tensor) -> Tensor:
@@ -132,15 +137,23 @@ class SavedTensorProbe:
         try:
             storage = local.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage of its own: its own size
-            nbytes = float(local.numel() * local.element_size())
-            self._seen[id(tensor)] = (tensor, nbytes, dtype_slot(local.dtype), "activation")
+            self._count(tensor, float(local.numel() * local.element_size()), dtype_slot(local.dtype), "activation")
             return tensor
-        key = id(storage)
-        kind = self._kind(tensor, storage)
-        previous = self._seen.get(key)
-        if previous is None or (previous[3] == "activation" and kind != "activation"):
-            self._seen[key] = (storage, float(storage.nbytes()), dtype_slot(local.dtype), kind)
+        self._count(storage, float(storage.nbytes()), dtype_slot(local.dtype), self._kind(tensor, storage))
         return tensor
+
+    def _count(self, owner: Any, nbytes: float, slot: str, kind: _Kind) -> None:
+        """Count ``owner`` (a storage) once while it lives; a parameter or a cast wins over an activation."""
+        previous = self._seen.get(id(owner))
+        if previous is not None and previous[0]() is owner:
+            if previous[3] != "activation" or kind == "activation":
+                return
+            self._add(previous[3], previous[2], -previous[1])  # seen as an activation first: booked again below
+        self._seen[id(owner)] = (weakref.ref(owner), nbytes, slot, kind)
+        self._add(kind, slot, nbytes)
+
+    def _add(self, kind: _Kind, slot: str, nbytes: float) -> None:
+        self._bytes[kind, slot] = self._bytes.get((kind, slot), 0.0) + nbytes
 
     def _kind(self, tensor: Tensor, storage: Any) -> _Kind:
         """A parameter (or a view of one), a whole-parameter cast of one, or an activation."""

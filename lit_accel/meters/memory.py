@@ -147,14 +147,21 @@ class MemoryMeter:
         self._probe.start()
         return True
 
-    def stop_activations(self) -> None:
-        """End the measurement (before the backward); a forward that saved nothing is not a measurement."""
+    def stop_activations(self, forwards: int = 1) -> None:
+        """End the measurement (before the backward); a forward that saved nothing is not a measurement.
+
+        ``forwards``: the micro-batches whose forwards ran in it (a pipeline runs a loaded batch's inside one
+        training step): the figures are one micro-batch's, the mean.
+        """
         if self._probe is None or not self._probe.active:
             return
         activations, casts = self._probe.stop()
         self._probe = None
         if activations.total + casts > 0:
-            self._activations = (activations, casts)
+            per = DtypeBytes()
+            for slot, nbytes in activations.nonzero().items():
+                per.add(slot, nbytes / forwards)
+            self._activations = (per, casts / forwards)
 
     @contextmanager
     def activations(self, model: nn.Module | Iterable[Tensor]) -> Iterator[None]:

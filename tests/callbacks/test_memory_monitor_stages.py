@@ -68,6 +68,42 @@ def test_each_stage_reports_the_bytes_of_its_own_modules():
     assert results[1]["logged"] == []  # rank 0 logs
 
 
+# Issue #46: 8 micro-batches of 256 samples through 1F1B on 2 stages, whose activations dominate (each block saves a
+# 256 x 32768 fp32 tanh output, 34 MB; its parameters are 4 MB). 1F1B holds at most 2 micro-batches per stage; a probe
+# that kept what it saw would hold all 8 for the whole step, as GPipe does.
+WIDE = {"depth": 4, "width": 16, "hidden": 32768}
+MICRO, PER_MICRO = 8, 256
+
+
+def _wide_fit(rank: int, world: int, monitored: bool) -> dict[str, Any]:
+    import resource
+
+    pl.seed_everything(0, verbose=False)
+    monitor = MemoryMonitor(print_summary=False)
+    strategy = AccelParallel(pipeline_parallel=2, schedule="1f1b", microbatches=MICRO)
+    kwargs = small_trainer_kwargs(devices=world, max_steps=3, max_epochs=-1, log_every_n_steps=1)
+    trainer = pl.Trainer(strategy=strategy, callbacks=[monitor] if monitored else [], **kwargs)
+    trainer.fit(PipeModel(**WIDE), DataLoader(dataset(3 * MICRO * PER_MICRO), batch_size=MICRO * PER_MICRO))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"rss": rss, "summary": monitor.summary if monitored else {}}
+
+
+def test_a_pipelines_activations_are_one_micro_batchs_and_the_monitor_holds_none_of_them():
+    plain = run_distributed(_wide_fit, 2, False, init_process_group=False, timeout=300)
+    watched = run_distributed(_wide_fit, 2, True, init_process_group=False, timeout=300)
+    for rank, (a, b) in enumerate(zip(plain, watched)):
+        assert b["rss"] <= 1.10 * a["rss"], f"rank {rank}: {b['rss'] / 1e6:.0f} MB watched, {a['rss'] / 1e6:.0f} MB not"
+    # one micro-batch's: the two stages' figures add up to one process's forward of 256 samples
+    single = MemoryMonitor(print_summary=False)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=[single], **small_trainer_kwargs(max_steps=1, log_every_n_steps=1))
+    trainer.fit(PipeModel(**WIDE), DataLoader(dataset(PER_MICRO), batch_size=PER_MICRO))
+    summary = watched[0]["summary"]
+    stages = summary["stage0/activations_mb"] + summary["stage1/activations_mb"]
+    assert stages == pytest.approx(single.summary["activations_mb"], rel=0.02), (stages, single.summary)
+    assert summary["stage0/activations_mb"] >= 2 * PER_MICRO * WIDE["hidden"] * 4 / 1e6  # its two tanh outputs
+
+
 @pytest.mark.parametrize(
     ("schedule", "pipeline", "held"),
     [

@@ -90,6 +90,7 @@ class PipelineRunner:
         self.group = group
         self.device = device
         self.microbatches = microbatches
+        self.last_microbatches = 1  # of the last training step (the planned count may not divide every batch)
         self.pipeline = dist.get_world_size(group)
         self.stages_per_rank = len(modules)
         self._loss = _WeightedLoss(loss)
@@ -152,6 +153,7 @@ class PipelineRunner:
         if not self.has_last_stage:
             kwargs = {}
         if train:
+            self.last_microbatches = count
             self.meter.step_start(order)
             schedule.step(*args, **kwargs)
             self.meter.step_end()

@@ -183,7 +183,9 @@ class AccelParallel(ModelParallelStrategy):
         """Every pipeline rank's stages and this rank's coordinate (``PipelineStages``); ``None`` without a pipeline."""
         if self._layout is None or self._layout.pipeline == 1:
             return None
-        return stage_placement(self._layout, SCHEDULES[self.schedule], self.stages_per_rank, self.global_rank)
+        placement = stage_placement(self._layout, SCHEDULES[self.schedule], self.stages_per_rank, self.global_rank)
+        ran = 1 if self._pipeline is None else self._pipeline.last_microbatches
+        return placement._replace(microbatches=ran)
 
     @property
     @override
