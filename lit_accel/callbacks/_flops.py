@@ -193,6 +193,7 @@ class FlopCounter:
 
     def __init__(self) -> None:
         self._mode: FlopCounterMode | None = None
+        self._eager: Any = None  # torch.compile's stance while counting
         # Formulas return ints (floats only where a sparsity hint scales them): keep ints exact past 2**53.
         self._by_dtype: defaultdict[str, Any] = defaultdict(int)
 
@@ -219,6 +220,11 @@ class FlopCounter:
         # Every registry value takes the op's raw arguments plus out_val (non-raw formulas come shape-wrapped).
         mode.flop_registry = {op: self._booked(op, f) for op, f in mode.flop_registry.items()}
         self._by_dtype.clear()
+        # Compiled code runs eagerly while the mode is on: torch 2.11-2.13's dynamo, meeting a dispatch mode at a
+        # frame's first call, marks the frame "run eagerly" for good, without a word (pytorch #190286). The FLOPs
+        # are the same; the frames compile at their next call.
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         mode.__enter__()
         self._mode = mode
 
@@ -228,6 +234,8 @@ class FlopCounter:
             raise RuntimeError("FlopCounter.stop() called without start().")
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
+        eager, self._eager = self._eager, None
+        eager.__exit__(None, None, None)
         return _reconciled(int(mode.get_total_flops()), self._by_dtype)
 
 

@@ -104,6 +104,26 @@ def test_inductor_compiled_blocks_train_as_eager():
             assert torch.allclose(value, runs["eager"]["state"][key], atol=1e-5, rtol=0), key
 
 
+def _fit_monitored(rank: int, world: int) -> dict[str, Any]:
+    from lit_accel import EfficiencyMonitor
+
+    pl.seed_everything(0, verbose=False)
+    monitor = EfficiencyMonitor(warmup_steps=1, print_summary=False)
+    kwargs = small_trainer_kwargs(devices=world, max_steps=4, max_epochs=-1, use_distributed_sampler=False)
+    trainer = pl.Trainer(strategy=AccelDDP(compile={"backend": counting_backend}), callbacks=[monitor], **kwargs)
+    GRAPHS.clear()
+    trainer.fit(BNModel(batchnorm=False), make_loader(make_dataset(64), 4, rank, world))
+    return {"graphs": len(GRAPHS), "flops": monitor.flops_per_sample}
+
+
+def test_compiled_blocks_compile_under_the_efficiency_monitors_flop_count():
+    """Issue #46: the monitor counts FLOPs under a dispatch mode over the first micro-batch, the compiled blocks' first
+    call; torch 2.11-2.13's dynamo then marked them "run eagerly" for good (0 graphs). Runs in CI's floor step."""
+    for result in run_distributed(_fit_monitored, 2, init_process_group=False, timeout=300):
+        assert result["graphs"] > 0, result  # compiled after the counted micro-batch
+        assert result["flops"] and result["flops"] > 0, result  # and the FLOPs were counted
+
+
 def test_a_module_with_its_own_instance_forward_is_left_alone():
     model = nn.Sequential(nn.Linear(2, 2))
     own = model.forward
