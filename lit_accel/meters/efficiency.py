@@ -28,8 +28,9 @@ from lit_accel.meters._efficiency_metrics import (
 )
 from lit_accel.meters._stragglers import StragglerWatch, gather_hostnames
 from lit_accel.protocols import CommTiming, ExposedComm, PipelineBubbleStats
-from lit_accel.utilities._compat import all_gather_flat, dynamo_compile_counts
+from lit_accel.utilities._compat import dynamo_compile_counts
 from lit_accel.utilities._timing import IntervalTimer, synchronize
+from lit_accel.utilities._torch_fallbacks import all_gather_single
 from lit_accel.utilities._validation import check_bool, check_int, check_number
 from lit_accel.utilities._warnings import rank_zero_warn
 
@@ -350,7 +351,7 @@ class EfficiencyMeter:
         local = torch.tensor(window.vector(), dtype=dtype, device=self.device)
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             gathered = torch.empty(self.world_size * local.numel(), dtype=dtype, device=self.device)
-            all_gather_flat(gathered, local)
+            all_gather_single(gathered, local)
             local = gathered
         return [RankWindow.from_vector(row) for row in local.reshape(-1, len(window.vector())).cpu().tolist()]
 

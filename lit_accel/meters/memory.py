@@ -27,7 +27,7 @@ from lit_accel.meters._memory_metrics import (
     stage_metrics,
 )
 from lit_accel.meters._memory_probe import SavedTensorProbe, Sized, size_tensors, state_tensors
-from lit_accel.utilities._compat import all_gather_flat
+from lit_accel.utilities._torch_fallbacks import all_gather_single
 from lit_accel.utilities._validation import check_int
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ class MemoryMeter:
         device = self.device if self.cuda else torch.device("cpu")  # gloo gathers CPU tensors, NCCL CUDA ones
         local = torch.tensor(values, dtype=torch.float64, device=device)
         gathered = torch.empty(self.world_size * len(values), dtype=torch.float64, device=device)
-        all_gather_flat(gathered, local)
+        all_gather_single(gathered, local)
         ranks = gathered.reshape(self.world_size, -1).cpu().tolist()
         return [RankMemory.from_vector(r[:-1]) for r in ranks], [int(r[-1]) if r[-1] >= 0 else None for r in ranks]
 

@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lit_accel.strategies._fsdp_sharding import find_blocks
+from lit_accel.utilities._compat import dynamo_graph_count
 
 __all__ = ["ForwardCompilation", "check_compile", "compile_targets"]
 
@@ -60,6 +62,9 @@ class ForwardCompilation:
     def __init__(self, owner: str, options: dict[str, Any]) -> None:
         self.owner, self.options = owner, options
         self.modules: list[nn.Module] = []
+        self._steps_to_check = 0  # optimizer steps until the one check that the blocks compiled
+        self._graphs_before = 0  # the graphs dynamo had made in this process when the blocks were compiled
+        self._graphs_made = False  # whether an earlier fit's blocks made graphs (a later fit may find them cached)
 
     def apply(self, targets: list[nn.Module]) -> None:
         """Compile each target's ``forward`` in place (an instance attribute over the class's method)."""
@@ -68,6 +73,26 @@ class ForwardCompilation:
                 continue  # compiled already (a further fit), or the user's own instance forward: left as it is
             module.forward = torch.compile(module.forward, **self.options)  # type: ignore[method-assign]
             self.modules.append(module)
+        self._steps_to_check = 2 if self.modules else 0
+        self._graphs_before = dynamo_graph_count()
+
+    def after_step(self) -> None:
+        """After each optimizer step, until the second: then say once which blocks ran eagerly (no compiled code)."""
+        if not self._steps_to_check:
+            return
+        self._steps_to_check -= 1
+        if self._steps_to_check:
+            return
+        # no graph since apply(): every frame was skipped (a later fit of the same blocks finds its graphs cached)
+        self._graphs_made = self._graphs_made or dynamo_graph_count() > self._graphs_before
+        if not self._graphs_made:
+            eager = sorted({type(m).__name__ for m in self.modules})
+            rank_zero_warn(
+                f"{self.owner}(compile=...): {', '.join(eager)} ran eagerly in the first 2 training steps:"
+                " torch.compile made no graph of their forward (each frame was skipped: a graph break at its start,"
+                " torch.compiler.disable, or a dispatch mode at its first call on torch < 2.14). Fix:"
+                " TORCH_LOGS=graph_breaks shows why; or compile=False."
+            )
 
     def revert(self) -> None:
         """Back to the eager ``forward`` of every compiled module."""

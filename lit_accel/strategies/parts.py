@@ -226,7 +226,10 @@ class AccelParts:
         """
         accumulation = 1 if self._trainer is None else self._trainer.accumulate_grad_batches
         closure = self.window.step(closure, optimizer, accumulation, self._automatic)
-        return step(optimizer, closure if self.micro is None else _restoring(closure, self.micro), *args, **kwargs)
+        result = step(optimizer, closure if self.micro is None else _restoring(closure, self.micro), *args, **kwargs)
+        if self.compilation is not None:
+            self.compilation.after_step()
+        return result
 
     def loops_restored(self) -> None:
         """In ``load_optimizer_state_dict`` (the first strategy hook after Lightning restored the loops)."""

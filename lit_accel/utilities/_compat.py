@@ -373,8 +373,7 @@ def dynamo_compile_counts() -> tuple[int, int]:
     """``(compilations, recompilations)`` torch.compile made in this process (``convert_frame.FRAME_COMPILE_COUNTER``).
 
     Dynamo counts the compilations of each frame (a code object); every one after a frame's first is a recompilation
-    (a guard failed: a new shape, dtype or Python value). ``(0, 0)`` if ``torch._dynamo`` was never imported, which
-    this does not do (importing it takes a second).
+    (a guard failed: a new shape, dtype or Python value). ``(0, 0)`` if ``torch._dynamo`` was never imported.
     """
     import sys
 
@@ -385,16 +384,17 @@ def dynamo_compile_counts() -> tuple[int, int]:
     return sum(counts), sum(max(0, c - 1) for c in counts)
 
 
+def dynamo_graph_count() -> int:
+    """The graphs torch.compile handed to a backend in this process (``utils.counters["stats"]["unique_graphs"]``)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
+
+
 def current_graph_task_id() -> int:
     """The id of the backward pass running on this thread, -1 outside one (``torch._C._current_graph_task_id``).
 
     Tells the buckets of one backward from the next one's, also after a backward that raised before its end.
     """
     return int(torch._C._current_graph_task_id())
-
-
-def all_gather_flat(output: torch.Tensor, local: torch.Tensor) -> None:
-    """Gather every rank's ``local`` into ``output`` in rank order; blocking, on the default group."""
-    from lit_accel.utilities._torch_fallbacks import all_gather_single
-
-    all_gather_single(output, local)

@@ -104,7 +104,9 @@ def test_inductor_compiled_blocks_train_as_eager():
             assert torch.allclose(value, runs["eager"]["state"][key], atol=1e-5, rtol=0), key
 
 
-def _fit_monitored(rank: int, world: int) -> dict[str, Any]:
+def _fit_monitored(rank: int, world: int, model: pl.LightningModule | None = None) -> dict[str, Any]:
+    import warnings
+
     from lit_accel import EfficiencyMonitor
 
     pl.seed_everything(0, verbose=False)
@@ -112,8 +114,11 @@ def _fit_monitored(rank: int, world: int) -> dict[str, Any]:
     kwargs = small_trainer_kwargs(devices=world, max_steps=4, max_epochs=-1, use_distributed_sampler=False)
     trainer = pl.Trainer(strategy=AccelDDP(compile={"backend": counting_backend}), callbacks=[monitor], **kwargs)
     GRAPHS.clear()
-    trainer.fit(BNModel(batchnorm=False), make_loader(make_dataset(64), 4, rank, world))
-    return {"graphs": len(GRAPHS), "flops": monitor.flops_per_sample}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model or BNModel(batchnorm=False), make_loader(make_dataset(64), 4, rank, world))
+    eager = [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
+    return {"graphs": len(GRAPHS), "flops": monitor.flops_per_sample, "eager": eager}
 
 
 def test_compiled_blocks_compile_under_the_efficiency_monitors_flop_count():
@@ -122,6 +127,30 @@ def test_compiled_blocks_compile_under_the_efficiency_monitors_flop_count():
     for result in run_distributed(_fit_monitored, 2, init_process_group=False, timeout=300):
         assert result["graphs"] > 0, result  # compiled after the counted micro-batch
         assert result["flops"] and result["flops"] > 0, result  # and the FLOPs were counted
+        assert result["eager"] == [], result
+
+
+class _EagerOnly(nn.Sequential):
+    """A block torch.compile skips whole: its forward is ``torch.compiler.disable``d."""
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def _fit_eager_only(rank: int, world: int) -> dict[str, Any]:
+    model = BNModel(batchnorm=False)
+    model.net = _EagerOnly(*model.net)
+    return _fit_monitored(rank, world, model)
+
+
+def test_a_block_that_never_compiles_is_named_once():
+    """No silent eager fallback: after the second step, a block without compiled code is named, once, on rank 0."""
+    results = run_distributed(_fit_eager_only, 2, init_process_group=False, timeout=300)
+    assert results[0]["graphs"] == 0 and len(results[0]["eager"]) == 1, results[0]
+    assert "AccelDDP(compile=...): _EagerOnly ran eagerly in the first 2 training steps" in results[0]["eager"][0]
+    assert "Fix: TORCH_LOGS=graph_breaks" in results[0]["eager"][0]
+    assert results[1]["eager"] == []  # rank 0 says it
 
 
 def test_a_module_with_its_own_instance_forward_is_left_alone():

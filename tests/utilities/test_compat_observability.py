@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from lit_accel.utilities._compat import (
-    all_gather_flat,
     current_graph_task_id,
     dynamo_compile_counts,
+    dynamo_graph_count,
     queue_backward_callback,
 )
+from lit_accel.utilities._torch_fallbacks import all_gather_single
 from tests.helpers import run_distributed
 
 
@@ -102,17 +103,42 @@ def test_dynamo_compile_counts_count_each_recompilation_of_a_frame():
     assert (after[0] - before[0], after[1] - before[1]) == (3, 2)
 
 
+def test_dynamo_graph_count_counts_graphs_and_not_skipped_frames():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).relu()
+
+    class Skipped(Block):
+        @torch.compiler.disable
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).relu()
+
+    block, skipped = Block(), Skipped()
+    for module in (block, skipped):
+        module.forward = torch.compile(module.forward, backend="eager")  # type: ignore[method-assign]
+    with torch.no_grad():  # (no autograd in the test process: later tests fork it)
+        before = dynamo_graph_count()
+        skipped(torch.ones(1, 2))
+        assert dynamo_graph_count() == before  # a frame dynamo skips makes no graph
+        block(torch.ones(1, 2))
+        assert dynamo_graph_count() == before + 1
+
+
 def _gather_flat(rank: int, world_size: int) -> tuple[list[float], list[str]]:
     import warnings
 
     output = torch.empty(2 * world_size)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        all_gather_flat(output, torch.tensor([rank, 10.0 + rank]))
+        all_gather_single(output, torch.tensor([rank, 10.0 + rank]))
     return output.tolist(), [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
 
 
-def test_all_gather_flat_gathers_in_rank_order_without_a_deprecation_warning():
+def test_all_gather_single_gathers_in_rank_order_without_a_deprecation_warning():
     for gathered, future_warnings in run_distributed(_gather_flat, 2, timeout=60):
         assert gathered == [0.0, 10.0, 1.0, 11.0]
         assert future_warnings == []
