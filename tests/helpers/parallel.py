@@ -105,12 +105,14 @@ class TimmViT(PipelineLoss, pl.LightningModule):
     """timm's ``VisionTransformer`` with the pipeline units docs/strategies.md asks for: ``embed``, its own
     ``blocks``, ``head``; the same weights as ``self.vit_forward``'s model, which gives the same output."""
 
-    def __init__(self, depth: int = 2, lr: float = 0.1) -> None:
+    def __init__(
+        self, depth: int = 2, lr: float = 0.1, image: int = VIT_IMAGE, width: int = 16, heads: int = 2
+    ) -> None:  # fmt: skip
         super().__init__()
         from timm.models.vision_transformer import VisionTransformer
 
         self.lr = lr
-        vit = VisionTransformer(img_size=VIT_IMAGE, patch_size=4, embed_dim=16, depth=depth, num_heads=2,
+        vit = VisionTransformer(img_size=image, patch_size=4, embed_dim=width, depth=depth, num_heads=heads,
                                 num_classes=OUT)  # fmt: skip
         self.embed, self.blocks, self.head = ViTEmbed(vit), vit.blocks, ViTHead(vit)
         self.vit_forward = vit.forward  # timm's own forward on these very modules (not registered: no unit)
