@@ -46,7 +46,7 @@ from lit_accel.protocols import (
     SkippedStepRecord,
     StagePlacement,
 )
-from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, PipelineLoss
+from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, ParallelPlan, PipelineLoss
 from lit_accel.strategies.batch_plan import BatchPlan
 from lit_accel.utilities._warnings import install as _install_warning_format
 
@@ -76,6 +76,7 @@ __all__ = [
     "MemoryMeter",
     "MemoryMonitor",
     "NonFiniteGuard",
+    "ParallelPlan",
     "PipelineBubble",
     "PipelineBubbleStats",
     "PipelineLoss",

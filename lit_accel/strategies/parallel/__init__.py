@@ -2,5 +2,6 @@
 
 from lit_accel.strategies.parallel.accel_parallel import AccelParallel
 from lit_accel.strategies.parallel.pipeline_loss import PipelineLoss
+from lit_accel.strategies.parallel.plan import ParallelPlan
 
-__all__ = ["AccelParallel", "PipelineLoss"]
+__all__ = ["AccelParallel", "ParallelPlan", "PipelineLoss"]

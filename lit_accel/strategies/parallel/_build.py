@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lit_accel.strategies.parallel._layout import ParallelLayout
-    from lit_accel.strategies.parallel._schedules import ScheduleSpec
+    from lit_accel.strategies.parallel.plan import ParallelPlan
 
 __all__ = ["BuildConfig", "ParallelModel", "build_parallel_model"]
 
@@ -37,12 +37,10 @@ class BuildConfig:
     """The strategy's arguments that shape the model."""
 
     owner: str
-    schedule: ScheduleSpec
-    stages_per_rank: int | None
-    stage_split: Any
+    #: the layout, the schedule, stages per rank, the split and FSDP's reshard policy, resolved
+    plan: ParallelPlan
     tensor_plan: Any
     shard_policy: Any
-    reshard_after_forward: bool
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     #: with ``compile=``: called with the module and its blocks after TP, before FSDP (``AccelParts.compile_blocks``)
@@ -81,11 +79,11 @@ def _split(owner: str, module: pl.LightningModule, layout: ParallelLayout, pp_ra
     units = _stages.pipeline_units(module)
     names = [name for name, _ in units]
     _chain.check_chain(owner, module, names)  # before any unit is pruned: the stages must be the model's forward
-    per_rank = config.schedule.stages_per_rank(config.stages_per_rank)
-    num_stages = layout.pipeline * per_rank
-    starts = _stages.split_units(owner, names, units, num_stages, config.stage_split)
+    plan = config.plan
+    per_rank, num_stages = plan.stages_per_rank, plan.num_stages
+    starts = _stages.split_units(owner, names, units, num_stages, plan.stage_split)
     ranges = _stages.stage_ranges(starts, len(units))
-    local = _stages.local_stage_ids(pp_rank, layout.pipeline, per_rank, config.schedule.style)
+    local = _stages.local_stage_ids(pp_rank, layout.pipeline, per_rank, plan.schedule.style)
     owned = {sid: [names[i] for i in ranges[sid]] for sid in local}
     _stages.prune_to(module, units, {name for unit_names in owned.values() for name in unit_names})
     described = ", ".join(f"stage {s}: {names[r[0]]}..{names[r[-1]]}" for s, r in enumerate(ranges))
@@ -139,7 +137,7 @@ def _shard(
     mp_policy = sharding.mixed_precision_policy(config.param_dtype, config.reduce_dtype)
     from torch.distributed.fsdp import OffloadPolicy
 
-    kwargs = dict(reshard_after_forward=config.reshard_after_forward, mp_policy=mp_policy,
+    kwargs = dict(reshard_after_forward=config.plan.reshard_after_forward, mp_policy=mp_policy,
                   offload_policy=OffloadPolicy(), checkpointed=[])  # fmt: skip
     if stages:
         roots: list[nn.Module] = list(stages)

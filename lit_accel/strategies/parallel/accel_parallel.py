@@ -25,10 +25,11 @@ from lit_accel.strategies.parallel._build import BuildConfig, ParallelModel, bui
 from lit_accel.strategies.parallel._layout import ParallelLayout
 from lit_accel.strategies.parallel._pipeline import PipelineRunner
 from lit_accel.strategies.parallel._plan_check import PlanCheck
-from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec
+from lit_accel.strategies.parallel._schedules import ScheduleName
 from lit_accel.strategies.parallel._stage import ParallelCommStats
 from lit_accel.strategies.parallel._stages import stage_placement
 from lit_accel.strategies.parallel._tensor_plan import TensorPlan
+from lit_accel.strategies.parallel.plan import ParallelPlan
 from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.utilities import _compat
 
@@ -131,7 +132,7 @@ class AccelParallel(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.state_dict_type = state_dict_type
         self._start_method = start_method
-        self._layout: ParallelLayout | None = None
+        self._plan: ParallelPlan | None = None
         self._mesh: DeviceMesh | None = None
         self._built: ParallelModel | None = None
         self._plan_check: PlanCheck | None = None  # until the first optimizer step of the first fit
@@ -150,22 +151,23 @@ class AccelParallel(ModelParallelStrategy):
     # ------------------------------------------------------------------ public state
 
     @property
+    def plan(self) -> ParallelPlan:
+        """The layout, schedule and pipeline choices resolved for this world (known from ``setup_environment``)."""
+        if self._plan is None:
+            raise RuntimeError(f"{type(self).__name__}.plan is known once the processes started. Fix: use it in setup.")
+        return self._plan
+
+    @property
     def layout(self) -> ParallelLayout:
-        """The mesh sizes (known from ``setup_environment``)."""
-        if self._layout is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.layout is known once the processes started. Fix: read it in setup."
-            )
-        return self._layout
+        """The mesh sizes (``plan.layout``)."""
+        return self.plan.layout
 
     @property
     @override
     def device_mesh(self) -> DeviceMesh:
         """The 4-D mesh ``(pipeline, data_replicate, data_shard, tensor)``."""
         if self._mesh is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.device_mesh is built once the processes started. Fix: use it in setup."
-            )
+            raise RuntimeError(f"{type(self).__name__}.device_mesh is built when the processes start. Fix: use setup.")
         return self._mesh
 
     @property
@@ -181,9 +183,10 @@ class AccelParallel(ModelParallelStrategy):
     @property
     def pipeline_stages(self) -> StagePlacement | None:
         """Every pipeline rank's stages and this rank's coordinate (``PipelineStages``); ``None`` without a pipeline."""
-        if self._layout is None or self._layout.pipeline == 1:
+        plan = self._plan
+        if plan is None or plan.layout.pipeline == 1:
             return None
-        placement = stage_placement(self._layout, SCHEDULES[self.schedule], self.stages_per_rank, self.global_rank)
+        placement = stage_placement(plan.layout, plan.schedule, plan.stages_per_rank, self.global_rank)
         ran = 1 if self._pipeline is None else self._pipeline.last_microbatches
         return placement._replace(microbatches=ran)
 
@@ -224,32 +227,35 @@ class AccelParallel(ModelParallelStrategy):
         if self._process_group_backend is not None:
             backend_for_device(name, self._process_group_backend, self.root_device)
         world = self.num_nodes * self.num_processes
-        self._layout = ParallelLayout.from_world(
-            name, world, self.pipeline_parallel, self.tensor_parallel, self.data_replicate
-        )
-        _checks.check_environment(name, self, self._layout)
-        self._comm_stats.data = self._layout.data  # the FSDP groups' size, for the ring bytes
+        self._plan = ParallelPlan.build(
+            name, world, pipeline_parallel=self.pipeline_parallel, tensor_parallel=self.tensor_parallel,
+            data_replicate=self.data_replicate, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
+            microbatches=self.microbatches, stage_split=self.stage_split,
+            reshard_after_forward=self.reshard_after_forward,
+        )  # fmt: skip
+        layout = self._plan.layout
+        _checks.check_environment(name, self, layout)
+        self._comm_stats.data = layout.data  # the FSDP groups' size, for the ring bytes
         _compat.set_model_parallel_sizes(self, world, 1)
         super().setup_environment()
-        self._mesh = self._layout.build_mesh(self.root_device.type)
-        rank_zero_info(f"{name}: {self._layout.describe()}.")
+        self._mesh = layout.build_mesh(self.root_device.type)
+        rank_zero_info(f"{name}: {self._plan.describe()}.")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """The batch plan (before ``configure_optimizers``); this rank's share of the model; optimizers, precision."""
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         name, layout, module = type(self).__name__, self.layout, self.lightning_module
-        spec = SCHEDULES[self.schedule]
-        _checks.check_model(name, self, module, layout, spec)
+        _checks.check_model(name, self, module, layout, self.plan.schedule)
         # Agreed over the world (data_parallel_size is the mesh's data dimension): a replica's stages and shards load
         # the same batches too, and the world needs no flattened sub-mesh group.
-        plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **self._batch_split(spec))
+        plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **self._batch_split())
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and layout.pipeline > 1:
             check_no_accumulation(name, trainer, plan)
         self.accelerator.setup(trainer)
         if self._built is None:  # a second fit/validate keeps the model as built
-            self._build(spec, module)
+            self._build(module)
         self.barrier()
         if fitting:
             self._plan_pipeline()
@@ -259,24 +265,18 @@ class AccelParallel(ModelParallelStrategy):
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _batch_split(self, spec: ScheduleSpec) -> dict[str, Any]:
+    def _batch_split(self) -> dict[str, Any]:
         """A pipeline runs equal micro-batches itself (its count planned); without one, AccelParts' micro-batching."""
-        if self.pipeline_parallel == 1:
+        if self.plan.layout.pipeline == 1:
             return {}
-        stages = self.pipeline_parallel * spec.stages_per_rank(self.stages_per_rank)
-        count = pipeline_micro_batches(self.microbatches, self.parts.planner.micro_batch_size, stages)
+        count = pipeline_micro_batches(self.microbatches, self.parts.planner.micro_batch_size, self.plan.num_stages)
         return {"splits_batches": True, "micro_batches": count}
 
-    def _build(self, spec: ScheduleSpec, module: pl.LightningModule) -> None:
-        name = type(self).__name__
-        precision = self.precision_plugin
+    def _build(self, module: pl.LightningModule) -> None:
+        name, precision = type(self).__name__, self.precision_plugin
         param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
-        reshard = self.reshard_after_forward
-        if reshard is None:
-            reshard = self.pipeline_parallel == 1  # torchtitan's choice: stages keep parameters from F to B
         compiling = self.parts.compilation is not None
-        config = BuildConfig(name, spec, self.stages_per_rank, self.stage_split, self.tensor_plan, self.shard_policy,
-                             reshard, param_dtype, self.reduce_dtype,
+        config = BuildConfig(name, self.plan, self.tensor_plan, self.shard_policy, param_dtype, self.reduce_dtype,
                              functools.partial(self.parts.compile_blocks, name) if compiling else None)  # fmt: skip
         built = build_parallel_model(module, self.layout, self.device_mesh, self.global_rank, self.root_device,
                                      precision, config)  # fmt: skip
@@ -284,7 +284,7 @@ class AccelParallel(ModelParallelStrategy):
             install_counting_comms(root, self._comm_stats)
         self._built, self._sync.roots, self._plan_check = built, built.fsdp_roots, built.plan_check
         if built.stages:
-            self._pipeline = PipelineRunner(name, spec, built.stages, built.num_stages,
+            self._pipeline = PipelineRunner(name, self.plan.schedule, built.stages, built.num_stages,
                                             self.device_mesh["pipeline"].get_group(), self.root_device,
                                             self.microbatches or 2 * built.num_stages, module.pipeline_loss,
                                             self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
