@@ -210,6 +210,28 @@ def test_a_plan_that_shards_across_an_operation_that_is_not_elementwise_is_refus
         assert result == {"error": None, "steps": 2}  # elementwise between the pair: checked, equal, trained
 
 
+def _fit_twice(rank: int, world: int) -> list[bool]:
+    armed: list[bool] = []
+
+    class Armed(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            armed.append(trainer.strategy._plan_check.armed)
+
+    strategy = AccelParallel(tensor_parallel=2)
+    trainer = pl.Trainer(strategy=strategy, callbacks=[Armed()],
+                         **small_trainer_kwargs(devices=world, max_steps=2, max_epochs=-1))  # fmt: skip
+    model = _UpDown()
+    trainer.fit(model, DataLoader(dataset(32), batch_size=8))
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model, DataLoader(dataset(32), batch_size=8))  # the same model, as built: checked once
+    return armed
+
+
+def test_the_plan_is_checked_in_the_first_step_of_the_first_fit_only():
+    for armed in run_distributed(_fit_twice, 2, init_process_group=False, timeout=120):
+        assert armed == [True, False, False, False], armed  # no hook (nor an eager compiled step) after the verdict
+
+
 def test_models_as_timm_defines_them_pass_only_when_their_units_are_the_forward():
     """timm's ResNet is its units in order (the chained units give its own output); its ViT is not (the class token
     and the position embedding are added between units) and is refused."""

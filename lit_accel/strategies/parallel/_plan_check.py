@@ -104,7 +104,9 @@ class PlanCheck:
         return run
 
     def arm(self) -> None:
-        """Hook every parent for its next forward (the first training one: after the sanity check)."""
+        """Hook every parent for its next forward (the first training one: after the sanity check); once per model."""
+        if self.done or self._handles:  # a later fit of the same model: checked already
+            return
         for parent in sorted(self.children):
             hook = functools.partial(self._compare, parent)
             # before FSDP's post-forward hook, which frees the gathered parameters
