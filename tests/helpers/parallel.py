@@ -176,12 +176,11 @@ def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples
                  **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """One rank of an AccelParallel fit; each data-parallel replica loads ``loaded`` samples per step."""
     from lit_accel import AccelParallel
-    from lit_accel.strategies.parallel._layout import ParallelLayout
 
     pl.seed_everything(0, verbose=False)
     model = make_model()
     strategy = AccelParallel(**strategy_kwargs)
-    layout = ParallelLayout.from_world("test", world, strategy.pipeline_parallel, strategy.tensor_parallel, 1)
+    layout = strategy.plan.for_world("test", world).layout
     data = make_data(samples)
     sampler = DistributedSampler(data, layout.data, layout.data_rank(rank), shuffle=False)
     recorder = GradRecorder()

@@ -43,10 +43,11 @@ trainer:
                        args=[*QUIET, "--config", str(config)])  # fmt: skip
     strategy = cli.trainer.strategy
     assert type(strategy) is AccelParallel
-    assert (strategy.pipeline_parallel, strategy.tensor_parallel, strategy.schedule) == (2, 2, "zbv")
-    assert (strategy.microbatches, list(strategy.stage_split)) == (8, ["net.2"])
-    assert dict(strategy.tensor_plan) == {"net.0": "colwise", "net.3": "rowwise"}
-    assert strategy.reduce_dtype is torch.bfloat16
+    plan = strategy.plan  # every argument of the layout reaches the strategy's readers through its plan
+    assert (plan.layout.pipeline, plan.layout.tensor, plan.schedule.name) == (2, 2, "zbv")
+    assert (plan.microbatches, list(plan.stage_split)) == (8, ["net.2"])
+    assert dict(plan.tensor_plan) == {"net.0": "colwise", "net.3": "rowwise"}
+    assert plan.reduce_dtype is torch.bfloat16
 
 
 def _validate(rank: int, world: int, strategy_kwargs: dict[str, Any]) -> float:

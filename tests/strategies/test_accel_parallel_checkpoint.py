@@ -18,7 +18,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DistributedSampler
 
 from lit_accel import AccelParallel
-from lit_accel.strategies.parallel._layout import ParallelLayout
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 from tests.helpers.parallel import GradRecorder, PipeModel, dataset, fit_reference, full, merge
@@ -44,7 +43,7 @@ def _state(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
 def _run(rank: int, world: int, strategy_kwargs: dict[str, Any], steps: int, path: str, resume: bool) -> dict:
     pl.seed_everything(0, verbose=False)
     strategy = AccelParallel(**strategy_kwargs)
-    layout = ParallelLayout.from_world("t", world, strategy.pipeline_parallel, strategy.tensor_parallel, 1)
+    layout = strategy.plan.for_world("t", world).layout
     data = dataset(SAMPLES)
     # Shuffled per epoch (the same permutation in every layout): a replayed or skipped batch shows.
     sampler = DistributedSampler(data, layout.data, layout.data_rank(rank), shuffle=True, seed=SEED)

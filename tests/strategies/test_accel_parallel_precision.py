@@ -111,12 +111,11 @@ class _Norms(pl.Callback):
 
 
 def _clip_fit(rank: int, world: int, strategy_kwargs: dict[str, Any]) -> list[float]:
-    from lit_accel.strategies.parallel._layout import ParallelLayout
 
     pl.seed_everything(0, verbose=False)
     norms = _Norms()
     strategy = AccelParallel(**strategy_kwargs)
-    layout = ParallelLayout.from_world("t", world, strategy.pipeline_parallel, strategy.tensor_parallel, 1)
+    layout = strategy.plan.for_world("t", world).layout
     sampler = DistributedSampler(dataset(64), layout.data, layout.data_rank(rank), shuffle=False)
     trainer = pl.Trainer(strategy=strategy, callbacks=[norms], gradient_clip_val=0.5, use_distributed_sampler=False,
                          **small_trainer_kwargs(devices=world, max_steps=3, max_epochs=-1))  # fmt: skip

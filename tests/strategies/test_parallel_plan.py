@@ -1,9 +1,9 @@
-"""Issue #48, first step: ``ParallelPlan`` resolves AccelParallel's layout once, for any world size, without processes.
+"""Issue #48: ``ParallelPlan`` resolves AccelParallel's layout once, for any world size, without processes.
 
 What the plan infers (the data-sharded size, stages per rank, FSDP's reshard policy), what it refuses with the value
 and the fix (sizes that do not divide the world, a schedule's fixed stage count, a micro-batch count the schedule
-refuses), and its one-line description. The strategy builds it in ``setup_environment``; every AccelParallel test
-runs through it.
+refuses), and its one-line description. The strategy builds it in its constructor (every refusal before the
+processes start) and sizes it in ``setup_environment``; every AccelParallel test runs through it.
 """
 
 from __future__ import annotations
@@ -62,6 +62,42 @@ def test_a_plan_that_cannot_run_is_refused_naming_the_value_and_the_fix(kwargs, 
         ParallelPlan.build("AccelParallel", 8, **kwargs)
 
 
+def test_a_plan_sized_for_another_world_keeps_every_choice_and_refuses_what_does_not_divide():
+    import torch
+
+    plan = ParallelPlan.build("AccelParallel", None, pipeline_parallel=2, tensor_parallel=2, schedule="zbv",
+                              microbatches=8, tensor_plan={"net.0": "colwise"},
+                              reduce_dtype=torch.bfloat16)  # fmt: skip
+    assert plan.layout.sizes == (2, 1, 1, 2)  # world None: the smallest world the sizes fit
+    sized = plan.for_world("AccelParallel", 64, param_dtype=torch.bfloat16)
+    assert sized.layout.sizes == (2, 1, 16, 2) and sized.param_dtype is torch.bfloat16
+    kept = ("schedule", "stages_per_rank", "microbatches", "stage_split", "reshard_after_forward", "tensor_plan",
+            "reduce_dtype", "context_parallel")  # fmt: skip
+    assert all(getattr(sized, name) == getattr(plan, name) for name in kept)
+    assert (sized.schedule.name, sized.num_stages, sized.reshard_after_forward) == ("zbv", 4, False)
+    with pytest.raises(ValueError, match=r"multiple of 4, got 6 processes\. Fix: run 4 or 8 processes"):
+        plan.for_world("AccelParallel", 6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"pipeline_parallel": 4, "microbatches": 2}, ValueError, r"microbatches=2\): 1F1B needs at least as many"),
+        ({"pipeline_parallel": 2, "schedule": "zbv", "reshard_after_forward": True}, ValueError,
+         r"schedule='zbv', reshard_after_forward=True\): split-backward schedules .* Fix"),
+        ({"pipeline_parallel": 2, "state_dict_type": "full"}, ValueError, r"state_dict_type='full'\): a full .* Fix"),
+        ({"tensor_plan": {"net.0": "diagonal"}}, TypeError, r"tensor_plan=\{.net\.0.: .diagonal.\}\): expected .* Fix"),
+        ({"stage_split": "net.2"}, TypeError, r"stage_split='net\.2'\): expected 'auto' or a list .* Fix"),
+        ({"reduce_dtype": "bf16"}, TypeError, r"reduce_dtype='bf16'\): expected a torch\.dtype or None\. Fix"),
+        ({"context_parallel": 0}, ValueError, r"context_parallel=0\): expected an int >= 1\. Fix"),
+        ({"micro_batch_size": "auto"}, TypeError, r"micro_batch_size='auto'\): expected an int"),
+    ],
+)  # fmt: skip
+def test_the_strategy_refuses_at_construction_what_its_plan_or_it_cannot_run(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AccelParallel(**kwargs)
+
+
 def _fit_plan(rank: int, world: int) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
@@ -78,8 +114,8 @@ def _fit_plan(rank: int, world: int) -> dict:
 def test_the_strategy_reads_its_layout_from_the_plan_it_built():
     from tests.helpers import run_distributed
 
-    with pytest.raises(RuntimeError, match=r"AccelParallel\.plan is known once the processes started\. Fix"):
-        _ = AccelParallel(tensor_parallel=2).plan
+    before = AccelParallel(pipeline_parallel=2, microbatches=4).plan  # the smallest world these sizes fit
+    assert before.describe() == "pipeline 2 x data 1 (sharded) x tensor 1 = 2 processes; schedule 1f1b, 2 stages"
     for result in run_distributed(_fit_plan, 2, init_process_group=False, timeout=120):
         assert result["plan"] == "pipeline 2 x data 1 (sharded) x tensor 1 = 2 processes; schedule 1f1b, 2 stages"
         assert result["layout"].sizes == (2, 1, 1, 1) and result["steps"] == 1

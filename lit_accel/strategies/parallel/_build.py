@@ -37,12 +37,8 @@ class BuildConfig:
     """The strategy's arguments that shape the model."""
 
     owner: str
-    #: the layout, the schedule, stages per rank, the split and FSDP's reshard policy, resolved
+    #: the layout, the schedule, stages per rank, the split, the tensor plan and FSDP's policies, resolved
     plan: ParallelPlan
-    tensor_plan: Any
-    shard_policy: Any
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
     #: with ``compile=``: called with the module and its blocks after TP, before FSDP (``AccelParts.compile_blocks``)
     compile_blocks: Callable[[nn.Module, list[nn.Module]], None] | None = None
 
@@ -103,7 +99,7 @@ def build_parallel_model(
     """Stages, TP and FSDP applied to ``module`` in place for global rank ``rank``; the parts returned."""
     owner = config.owner
     _check_loose(owner, module, layout)
-    plan = _tensor_plan.resolve_plan(owner, module, config.tensor_plan, layout.tensor)
+    plan = _tensor_plan.resolve_plan(owner, module, config.plan.tensor_plan, layout.tensor)
     owned: dict[int, list[str]] = {}
     num_stages, starts = 1, [0]
     if layout.pipeline > 1:
@@ -117,7 +113,7 @@ def build_parallel_model(
     # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
     # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
     shards = layout.data > 1 or layout.tensor > 1
-    blocks = sharding.find_blocks(owner, module, config.shard_policy) if shards or config.compile_blocks else []
+    blocks = sharding.find_blocks(owner, module, config.plan.shard_policy) if shards or config.compile_blocks else []
     if config.compile_blocks is not None:
         config.compile_blocks(module, blocks)  # this rank's blocks (the other stages' are pruned)
     stages = [
@@ -134,7 +130,7 @@ def _shard(
     config: BuildConfig,
 ) -> list:  # fmt: skip
     """FSDP over the data dimension: blocks first, then each stage (or each top-level unit) as a root."""
-    mp_policy = sharding.mixed_precision_policy(config.param_dtype, config.reduce_dtype)
+    mp_policy = sharding.mixed_precision_policy(config.plan.param_dtype, config.plan.reduce_dtype)
     from torch.distributed.fsdp import OffloadPolicy
 
     kwargs = dict(reshard_after_forward=config.plan.reshard_after_forward, mp_policy=mp_policy,

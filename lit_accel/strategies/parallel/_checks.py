@@ -1,22 +1,20 @@
 """AccelParallel's guards: every configuration it cannot run is refused before the first step, with a fix.
 
-At construction: argument types and combinations. When the world size is known: the mesh. At setup: the model
+At construction: the strategy's own arguments and their combinations with the plan (``ParallelPlan.build`` checks
+the plan's). When the devices are known: what they cannot run. At setup: the model
 (a pipeline needs ``pipeline_loss``) and the precision. At fit start, when the loaded batch is known: the micro-batch
 count for the schedule (an error where torch would refuse it, a warning with the bubble where it merely idles).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_accel.strategies import _fsdp_sharding as sharding
-from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleSpec, analytic_bubble
-from lit_accel.strategies.parallel._tensor_plan import check_plan
+from lit_accel.strategies.parallel._schedules import analytic_bubble
 from lit_accel.utilities._compat import get_layer_sync
 from lit_accel.utilities._validation import check_choice, check_int
 
@@ -26,83 +24,53 @@ if TYPE_CHECKING:
     from lit_accel.strategies.batch_plan import BatchPlan
     from lit_accel.strategies.parallel._layout import ParallelLayout
     from lit_accel.strategies.parallel._pipeline import PipelineRunner
+    from lit_accel.strategies.parallel.plan import ParallelPlan
 
 __all__ = ["check_arguments", "check_environment", "check_model", "check_pipeline_batch"]
 
 
-def check_arguments(owner: str, args: dict[str, Any]) -> None:
-    """The constructor's arguments (``locals()`` of ``__init__``)."""
-    for size in ("pipeline_parallel", "tensor_parallel", "data_replicate", "context_parallel"):
-        check_int(owner, size, args[size], example=2)
-    check_int(owner, "microbatches", args["microbatches"], allow_none=True, example=8)
-    check_int(owner, "micro_batch_size", args["micro_batch_size"], allow_none=True, example=4)  # no "auto" yet
-    check_int(owner, "stages_per_rank", args["stages_per_rank"], allow_none=True, example=2)
-    check_choice(owner, "schedule", args["schedule"], tuple(SCHEDULES), "'1f1b'")
-    check_choice(owner, "state_dict_type", args["state_dict_type"], ("full", "sharded"), "'sharded'")
-    check_choice(owner, "start_method", args["start_method"], ("popen", "spawn"), "'popen'")
-    check_plan(owner, args["tensor_plan"])
-    sharding.check_policy(owner, "shard_policy", args["shard_policy"])
-    split = args["stage_split"]
-    if split != "auto" and (isinstance(split, str) or not isinstance(split, Sequence)):
-        raise TypeError(f"{owner}(stage_split={split!r}): expected 'auto' or a list of unit names. Fix: 'auto'.")
-    reshard, dtype = args["reshard_after_forward"], args["reduce_dtype"]
-    if reshard is not None and not isinstance(reshard, bool):
-        raise TypeError(f"{owner}(reshard_after_forward={reshard!r}): expected True, False or None. Fix: None.")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{owner}(reduce_dtype={dtype!r}): expected a torch.dtype or None. Fix: torch.float32.")
-    _check_combinations(owner, args, SCHEDULES[args["schedule"]])
-
-
-def _check_combinations(owner: str, args: dict[str, Any], spec: ScheduleSpec) -> None:
-    pipelined = args["pipeline_parallel"] > 1
-    if pipelined:
-        spec.torch_schedule(owner)  # a schedule this torch lacks is refused now, naming the version
-    per_rank = args["stages_per_rank"]
-    if per_rank is not None and spec.fixed_stages_per_rank not in (None, per_rank):
+def check_arguments(
+    owner: str, plan: ParallelPlan, *, micro_batch_size: object, state_dict_type: object, partial_window: object,
+    start_method: object,
+) -> None:  # fmt: skip
+    """The constructor's arguments that are the strategy's, not the plan's, and their combinations with the plan."""
+    check_int(owner, "micro_batch_size", micro_batch_size, allow_none=True, example=4)  # no "auto" yet
+    check_choice(owner, "state_dict_type", state_dict_type, ("full", "sharded"), "'sharded'")
+    check_choice(owner, "start_method", start_method, ("popen", "spawn"), "'popen'")
+    pipeline = plan.layout.pipeline
+    if pipeline > 1 and state_dict_type == "full":
         raise ValueError(
-            f"{owner}(schedule={spec.name!r}, stages_per_rank={per_rank}): this schedule holds"
-            f" {spec.fixed_stages_per_rank} stage(s) per rank. Fix: drop stages_per_rank, or use 'interleaved_1f1b'."
+            f"{owner}(pipeline_parallel={pipeline}, state_dict_type='full'): a full checkpoint is gathered on rank 0,"
+            " which holds one stage. Fix: state_dict_type='sharded' (it resumes under any layout)."
         )
-    if pipelined and spec.split_backward and args["reshard_after_forward"]:
-        # torch: the last stage's gradients stay None (InterleavedZeroBubble, ZBV); DualPipeV's are off by 6e-2.
+    if pipeline > 1 and partial_window != "mean":
         raise ValueError(
-            f"{owner}(schedule={spec.name!r}, reshard_after_forward=True): split-backward schedules need each stage's"
-            " parameters kept from forward to the weight gradient; resharding after forward loses them. Fix:"
-            " reshard_after_forward=None (False under a pipeline)."
-        )
-    if pipelined and args["state_dict_type"] == "full":
-        raise ValueError(
-            f"{owner}(pipeline_parallel={args['pipeline_parallel']}, state_dict_type='full'): a full checkpoint is"
-            " gathered on rank 0, which holds one stage. Fix: state_dict_type='sharded' (it resumes under any layout)."
-        )
-    if pipelined and args["partial_window"] != "mean":
-        raise ValueError(
-            f"{owner}(partial_window={args['partial_window']!r}) under a pipeline: every step is normalised over its"
+            f"{owner}(partial_window={partial_window!r}) under a pipeline: every step is normalised over its"
             " own samples. Fix: partial_window='mean'."
         )
 
 
-def check_environment(owner: str, strategy: Any, layout: ParallelLayout) -> None:
+def check_environment(owner: str, plan: ParallelPlan, device: torch.device) -> None:
     """What only the devices decide: context parallel, a schedule this torch cannot run on CPU."""
-    spec = SCHEDULES[strategy.schedule]
-    problem = spec.cpu_problem() if layout.pipeline > 1 and strategy.root_device.type == "cpu" else None
+    spec = plan.schedule
+    problem = spec.cpu_problem() if plan.layout.pipeline > 1 and device.type == "cpu" else None
     if problem is not None:
         raise ValueError(
             f"{owner}(schedule={spec.name!r}) on CPU: {problem}. Fix: upgrade torch, run on GPUs, or choose"
             " schedule='interleaved_1f1b'."
         )
-    cp = strategy.context_parallel
+    cp = plan.context_parallel
     if cp > 1:
         reason = (
             "its attention backward has no CPU kernel (_scaled_dot_product_flash_attention_for_cpu_backward has no"
             " sharding strategy)"
-            if strategy.root_device.type == "cpu"
+            if device.type == "cpu"
             else "AccelParallel does not shard sequences yet"
         )
         raise ValueError(f"{owner}(context_parallel={cp}): {reason}. Fix: context_parallel=1.")
 
 
-def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: ParallelLayout, spec: Any) -> None:
+def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: ParallelLayout) -> None:
     """What the model and precision must offer for the layout."""
     if layout.pipeline > 1 and not callable(getattr(module, "pipeline_loss", None)):
         raise TypeError(

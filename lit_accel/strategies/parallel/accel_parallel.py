@@ -114,7 +114,16 @@ class AccelParallel(ModelParallelStrategy):
     ) -> None:
         name = type(self).__name__
         check_backend_spec(name, process_group_backend)
-        _checks.check_arguments(name, locals())
+        # Checked by name as they arrive; the plan is sized for the world in setup_environment.
+        self._plan = ParallelPlan.build(
+            name, None, pipeline_parallel=pipeline_parallel, tensor_parallel=tensor_parallel,
+            data_replicate=data_replicate, context_parallel=context_parallel, schedule=schedule,
+            stages_per_rank=stages_per_rank, microbatches=microbatches, stage_split=stage_split,
+            tensor_plan=tensor_plan, shard_policy=shard_policy, reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
+        )  # fmt: skip
+        _checks.check_arguments(name, self._plan, micro_batch_size=micro_batch_size, state_dict_type=state_dict_type,
+                                partial_window=partial_window, start_method=start_method)  # fmt: skip
         super().__init__(
             save_distributed_checkpoint=state_dict_type == "sharded",
             process_group_backend=process_group_backend,
@@ -123,16 +132,8 @@ class AccelParallel(ModelParallelStrategy):
         #: The strategy-independent parts (batch plan, exact window, watchdog, resume fixes, compile), called below.
         self.parts = AccelParts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm=False,
                                 hang_timeout=hang_timeout, compile=compile)  # fmt: skip
-        self.pipeline_parallel, self.tensor_parallel = pipeline_parallel, tensor_parallel
-        self.data_replicate, self.context_parallel = data_replicate, context_parallel
-        self.schedule = schedule
-        self.microbatches, self.stages_per_rank, self.stage_split = microbatches, stages_per_rank, stage_split
-        self.tensor_plan = tensor_plan
-        self.shard_policy, self.reduce_dtype = shard_policy, reduce_dtype
-        self.reshard_after_forward = reshard_after_forward
         self.state_dict_type = state_dict_type
         self._start_method = start_method
-        self._plan: ParallelPlan | None = None
         self._mesh: DeviceMesh | None = None
         self._built: ParallelModel | None = None
         self._plan_check: PlanCheck | None = None  # until the first optimizer step of the first fit
@@ -152,9 +153,7 @@ class AccelParallel(ModelParallelStrategy):
 
     @property
     def plan(self) -> ParallelPlan:
-        """The layout, schedule and pipeline choices resolved for this world (known from ``setup_environment``)."""
-        if self._plan is None:
-            raise RuntimeError(f"{type(self).__name__}.plan is known once the processes started. Fix: use it in setup.")
+        """The layout, schedule, pipeline and sharding choices (the smallest world's until ``setup_environment``)."""
         return self._plan
 
     @property
@@ -184,7 +183,7 @@ class AccelParallel(ModelParallelStrategy):
     def pipeline_stages(self) -> StagePlacement | None:
         """Every pipeline rank's stages and this rank's coordinate (``PipelineStages``); ``None`` without a pipeline."""
         plan = self._plan
-        if plan is None or plan.layout.pipeline == 1:
+        if plan.layout.pipeline == 1:
             return None
         placement = stage_placement(plan.layout, plan.schedule, plan.stages_per_rank, self.global_rank)
         ran = 1 if self._pipeline is None else self._pipeline.last_microbatches
@@ -226,15 +225,11 @@ class AccelParallel(ModelParallelStrategy):
         name = type(self).__name__
         if self._process_group_backend is not None:
             backend_for_device(name, self._process_group_backend, self.root_device)
-        world = self.num_nodes * self.num_processes
-        self._plan = ParallelPlan.build(
-            name, world, pipeline_parallel=self.pipeline_parallel, tensor_parallel=self.tensor_parallel,
-            data_replicate=self.data_replicate, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
-            microbatches=self.microbatches, stage_split=self.stage_split,
-            reshard_after_forward=self.reshard_after_forward,
-        )  # fmt: skip
+        world, precision = self.num_nodes * self.num_processes, self.precision_plugin
+        param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
+        self._plan = self._plan.for_world(name, world, param_dtype=param_dtype)
         layout = self._plan.layout
-        _checks.check_environment(name, self, layout)
+        _checks.check_environment(name, self._plan, self.root_device)
         self._comm_stats.data = layout.data  # the FSDP groups' size, for the ring bytes
         _compat.set_model_parallel_sizes(self, world, 1)
         super().setup_environment()
@@ -246,7 +241,7 @@ class AccelParallel(ModelParallelStrategy):
         """The batch plan (before ``configure_optimizers``); this rank's share of the model; optimizers, precision."""
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         name, layout, module = type(self).__name__, self.layout, self.lightning_module
-        _checks.check_model(name, self, module, layout, self.plan.schedule)
+        _checks.check_model(name, self, module, layout)
         # Agreed over the world (data_parallel_size is the mesh's data dimension): a replica's stages and shards load
         # the same batches too, and the world needs no flattened sub-mesh group.
         plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **self._batch_split())
@@ -269,24 +264,22 @@ class AccelParallel(ModelParallelStrategy):
         """A pipeline runs equal micro-batches itself (its count planned); without one, AccelParts' micro-batching."""
         if self.plan.layout.pipeline == 1:
             return {}
-        count = pipeline_micro_batches(self.microbatches, self.parts.planner.micro_batch_size, self.plan.num_stages)
+        plan = self.plan
+        count = pipeline_micro_batches(plan.microbatches, self.parts.planner.micro_batch_size, plan.num_stages)
         return {"splits_batches": True, "micro_batches": count}
 
     def _build(self, module: pl.LightningModule) -> None:
-        name, precision = type(self).__name__, self.precision_plugin
-        param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
-        compiling = self.parts.compilation is not None
-        config = BuildConfig(name, self.plan, self.tensor_plan, self.shard_policy, param_dtype, self.reduce_dtype,
-                             functools.partial(self.parts.compile_blocks, name) if compiling else None)  # fmt: skip
+        name, compiling = type(self).__name__, self.parts.compilation is not None
+        config = BuildConfig(name, self.plan, functools.partial(self.parts.compile_blocks, name) if compiling else None)
         built = build_parallel_model(module, self.layout, self.device_mesh, self.global_rank, self.root_device,
-                                     precision, config)  # fmt: skip
+                                     self.precision_plugin, config)  # fmt: skip
         for root in [*built.fsdp_roots, *built.stages]:
             install_counting_comms(root, self._comm_stats)
         self._built, self._sync.roots, self._plan_check = built, built.fsdp_roots, built.plan_check
         if built.stages:
             self._pipeline = PipelineRunner(name, self.plan.schedule, built.stages, built.num_stages,
                                             self.device_mesh["pipeline"].get_group(), self.root_device,
-                                            self.microbatches or 2 * built.num_stages, module.pipeline_loss,
+                                            self.plan.microbatches or 2 * built.num_stages, module.pipeline_loss,
                                             self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
             self._comm_stats.bubble = self._pipeline.meter
 

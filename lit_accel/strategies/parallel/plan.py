@@ -2,18 +2,24 @@
 
 torchtitan's ``ParallelDims`` is the model: one frozen value, the data-sharded size inferred, validated where it is
 built. It needs no process group, so a plan can be made for a world that is not this machine's (what a memory
-planner's row holds). The strategy builds it when the world size is known and reads its layout from it (issue #48:
-the other parts move onto it step by step).
+planner's row holds). The strategy builds it in its constructor for the smallest world its sizes fit (so that every
+refusal comes before the processes start), sizes it for the real world in ``setup_environment``, and every part
+reads its choices from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
+import torch
+
+from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies.parallel._layout import ParallelLayout
-from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleSpec, microbatch_problem
+from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
+from lit_accel.strategies.parallel._tensor_plan import TensorPlan, check_plan
 from lit_accel.utilities._validation import check_choice, check_int
 
 __all__ = ["ParallelPlan"]
@@ -21,13 +27,14 @@ __all__ = ["ParallelPlan"]
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """The mesh sizes, the resolved schedule and what a pipeline needs, for one world size.
+    """The mesh sizes, the resolved schedule, what a pipeline needs and how the model is sharded, for one world.
 
     Example::
 
         plan = ParallelPlan.build("AccelParallel", 16, pipeline_parallel=2, tensor_parallel=2)
         plan.layout.data_shard  # 4: what the other sizes leave of 16
         plan.describe()  # "pipeline 2 x data 4 (sharded) x tensor 2 = 16 processes; schedule 1f1b, 2 stages"
+        plan.for_world("AccelParallel", 64).layout.data_shard  # 16
 
     Attributes:
         layout: the four mesh sizes (``data_shard`` inferred).
@@ -36,6 +43,11 @@ class ParallelPlan:
         microbatches: pipeline micro-batches per loaded batch as given (``None``: from the batch plan).
         stage_split: ``"auto"`` or the unit names where stages 1, 2, ... begin.
         reshard_after_forward: FSDP's, resolved: ``True`` without a pipeline, ``False`` under one, unless given.
+        tensor_plan: as given (``"auto"``, ``None`` or module name -> style); resolved against the model at build.
+        shard_policy: which modules FSDP shards as blocks (as ``AccelFSDP``'s).
+        reduce_dtype, param_dtype: FSDP's gradient-reduction and parameter dtypes (``param_dtype`` from the
+            precision plugin, set by :meth:`for_world`; ``None``: the parameters' own).
+        context_parallel: the sequence-parallel size (only 1 runs today).
     """
 
     layout: ParallelLayout
@@ -44,47 +56,62 @@ class ParallelPlan:
     microbatches: int | None
     stage_split: Literal["auto"] | tuple[str, ...]
     reshard_after_forward: bool
+    tensor_plan: TensorPlan = "auto"
+    shard_policy: sharding.ShardPolicy = "auto"
+    reduce_dtype: torch.dtype | None = torch.float32
+    param_dtype: torch.dtype | None = None
+    context_parallel: int = 1
 
     @classmethod
     def build(
-        cls, owner: str, world_size: int, *, pipeline_parallel: int = 1, tensor_parallel: int = 1,
-        data_replicate: int = 1, schedule: str = "1f1b", stages_per_rank: int | None = None,
-        microbatches: int | None = None, stage_split: Literal["auto"] | Sequence[str] = "auto",
-        reshard_after_forward: bool | None = None,
+        cls, owner: str, world_size: int | None, *, pipeline_parallel: int = 1, tensor_parallel: int = 1,
+        data_replicate: int = 1, context_parallel: int = 1, schedule: ScheduleName = "1f1b",
+        stages_per_rank: int | None = None, microbatches: int | None = None,
+        stage_split: Literal["auto"] | Sequence[str] = "auto", tensor_plan: TensorPlan = "auto",
+        shard_policy: sharding.ShardPolicy = "auto", reshard_after_forward: bool | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
     ) -> ParallelPlan:  # fmt: skip
-        """The plan of ``world_size`` processes; every refusal names the value and the fix.
+        """The plan of ``world_size`` processes (``None``: the smallest world the sizes fit, ``data_shard`` 1).
+
+        Every argument is checked here by name; every refusal names the value and the fix.
 
         Raises:
-            ValueError: sizes whose product does not divide ``world_size``, an unknown schedule, a stage count
-                the schedule does not take, or a micro-batch count it refuses.
-            TypeError: a size or count that is not an int.
+            ValueError: sizes whose product does not divide ``world_size``, an unknown schedule (or one this torch
+                lacks), a stage count the schedule does not take, a micro-batch count it refuses, resharding under
+                a split-backward schedule.
+            TypeError: a size or count that is not an int, a split, reshard flag or dtype of the wrong type.
         """
-        for name, value in (("world_size", world_size), ("pipeline_parallel", pipeline_parallel),
-                            ("tensor_parallel", tensor_parallel), ("data_replicate", data_replicate)):  # fmt: skip
+        for name, value in (("pipeline_parallel", pipeline_parallel), ("tensor_parallel", tensor_parallel),
+                            ("data_replicate", data_replicate), ("context_parallel", context_parallel)):  # fmt: skip
             check_int(owner, name, value, example=2)
         check_int(owner, "stages_per_rank", stages_per_rank, allow_none=True, example=2)
         check_int(owner, "microbatches", microbatches, allow_none=True, example=8)
         check_choice(owner, "schedule", schedule, tuple(SCHEDULES), "'1f1b'")
-        layout = ParallelLayout.from_world(owner, world_size, pipeline_parallel, tensor_parallel, data_replicate)
+        check_plan(owner, tensor_plan)
+        sharding.check_policy(owner, "shard_policy", shard_policy)
+        _check_types(owner, stage_split, reshard_after_forward, reduce_dtype)
+        given = pipeline_parallel * tensor_parallel * data_replicate
+        layout = ParallelLayout.from_world(owner, given if world_size is None else world_size, pipeline_parallel,
+                                           tensor_parallel, data_replicate)  # fmt: skip
         spec = SCHEDULES[schedule]
-        if stages_per_rank is not None and spec.fixed_stages_per_rank not in (None, stages_per_rank):
-            raise ValueError(
-                f"{owner}(schedule={spec.name!r}, stages_per_rank={stages_per_rank}): this schedule holds"
-                f" {spec.fixed_stages_per_rank} stage(s) per rank. Fix: drop stages_per_rank, or use"
-                " 'interleaved_1f1b'."
-            )
-        per_rank = spec.stages_per_rank(stages_per_rank) if pipeline_parallel > 1 else 1
-        problem = None if microbatches is None or pipeline_parallel == 1 else (
-            microbatch_problem(spec, microbatches, pipeline_parallel, per_rank))  # fmt: skip
-        if problem is not None:
-            raise ValueError(
-                f"{owner}(schedule={spec.name!r}, microbatches={microbatches}): {problem}. Fix: more micro-batches"
-                f" (at least {pipeline_parallel * per_rank}), i.e. microbatches= or a larger loader batch_size."
-            )
-        split: Any = stage_split if stage_split == "auto" else tuple(stage_split)
+        per_rank = _stages_per_rank(owner, spec, stages_per_rank, pipeline_parallel)
+        _check_pipeline(owner, spec, pipeline_parallel, per_rank, microbatches, reshard_after_forward)
+        split: Literal["auto"] | tuple[str, ...] = "auto" if stage_split == "auto" else tuple(stage_split)
         # torchtitan's choice: a pipeline's stages keep their parameters from the forward to the backward
         reshard = pipeline_parallel == 1 if reshard_after_forward is None else reshard_after_forward
-        return cls(layout, spec, per_rank, microbatches, split, reshard)
+        return cls(layout, spec, per_rank, microbatches, split, reshard, tensor_plan, shard_policy, reduce_dtype,
+                   None, context_parallel)  # fmt: skip
+
+    def for_world(self, owner: str, world_size: int, *, param_dtype: torch.dtype | None = None) -> ParallelPlan:
+        """This plan with its data-sharded size inferred from ``world_size`` (and the precision's parameter dtype).
+
+        Raises:
+            ValueError: the sizes do not divide ``world_size``.
+        """
+        check_int(owner, "world_size", world_size, example=2)
+        layout = self.layout
+        layout = ParallelLayout.from_world(owner, world_size, layout.pipeline, layout.tensor, layout.data_replicate)
+        return dataclasses.replace(self, layout=layout, param_dtype=param_dtype)
 
     @property
     def num_stages(self) -> int:
@@ -97,3 +124,42 @@ class ParallelPlan:
         if self.layout.pipeline > 1:
             text += f"; schedule {self.schedule.name}, {self.num_stages} stages"
         return text
+
+
+def _check_types(owner: str, split: object, reshard: object, dtype: object) -> None:
+    if split != "auto" and (isinstance(split, str) or not isinstance(split, Sequence)):
+        raise TypeError(f"{owner}(stage_split={split!r}): expected 'auto' or a list of unit names. Fix: 'auto'.")
+    if reshard is not None and not isinstance(reshard, bool):
+        raise TypeError(f"{owner}(reshard_after_forward={reshard!r}): expected True, False or None. Fix: None.")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{owner}(reduce_dtype={dtype!r}): expected a torch.dtype or None. Fix: torch.float32.")
+
+
+def _stages_per_rank(owner: str, spec: ScheduleSpec, requested: int | None, pipeline: int) -> int:
+    if requested is not None and spec.fixed_stages_per_rank not in (None, requested):
+        raise ValueError(
+            f"{owner}(schedule={spec.name!r}, stages_per_rank={requested}): this schedule holds"
+            f" {spec.fixed_stages_per_rank} stage(s) per rank. Fix: drop stages_per_rank, or use 'interleaved_1f1b'."
+        )
+    return spec.stages_per_rank(requested) if pipeline > 1 else 1
+
+
+def _check_pipeline(
+    owner: str, spec: ScheduleSpec, pipeline: int, per_rank: int, microbatches: int | None, reshard: bool | None
+) -> None:
+    if pipeline == 1:
+        return
+    spec.torch_schedule(owner)  # a schedule this torch lacks is refused now, naming the version
+    problem = None if microbatches is None else microbatch_problem(spec, microbatches, pipeline, per_rank)
+    if problem is not None:
+        raise ValueError(
+            f"{owner}(schedule={spec.name!r}, microbatches={microbatches}): {problem}. Fix: more micro-batches"
+            f" (at least {pipeline * per_rank}), i.e. microbatches= or a larger loader batch_size."
+        )
+    if spec.split_backward and reshard:
+        # torch: the last stage's gradients stay None (InterleavedZeroBubble, ZBV); DualPipeV's are off by 6e-2.
+        raise ValueError(
+            f"{owner}(schedule={spec.name!r}, reshard_after_forward=True): split-backward schedules need each stage's"
+            " parameters kept from forward to the weight gradient; resharding after forward loses them. Fix:"
+            " reshard_after_forward=None (False under a pipeline)."
+        )
