@@ -17,12 +17,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_accel import AccelParallel, MemoryMeter, MemoryMonitor, PipelineStages, StagePlacement
+from lit_accel import AccelParallel, MemoryMeter, MemoryMonitor, ParallelPlan, PipelineStages, StagePlacement
 from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory, per_stage, stage_metrics
 from lit_accel.meters._memory_table import stage_table
-from lit_accel.strategies.parallel._layout import ParallelLayout
-from lit_accel.strategies.parallel._schedules import SCHEDULES
-from lit_accel.strategies.parallel._stages import stage_placement
 from tests.helpers import CaptureLogger, run_distributed, small_trainer_kwargs
 from tests.helpers.parallel import PipeModel, dataset
 
@@ -113,9 +110,9 @@ def test_a_pipelines_activations_are_one_micro_batchs_and_the_monitor_holds_none
     ],
 )
 def test_placement_labels_each_rank_by_its_pipeline_coordinate(schedule, pipeline, held):
-    layout = ParallelLayout.from_world("test", 2 * pipeline, pipeline, 1, 1)  # data 2: ranks 2k, 2k+1 share stages
-    for rank in range(2 * pipeline):
-        placement = stage_placement(layout, SCHEDULES[schedule], None, rank)
+    plan = ParallelPlan.build("test", 2 * pipeline, pipeline_parallel=pipeline, schedule=schedule)  # data 2: ranks 2k,
+    for rank in range(2 * pipeline):  # 2k + 1 share stages
+        placement = plan.placement(rank)
         assert placement == StagePlacement(rank // 2, held)
         assert placement.stages[placement.pipeline_rank][0] == placement.pipeline_rank  # its first stage
 

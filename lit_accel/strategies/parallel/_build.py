@@ -70,17 +70,16 @@ def _check_loose(owner: str, module: nn.Module, layout: ParallelLayout) -> None:
         )
 
 
-def _split(owner: str, module: pl.LightningModule, layout: ParallelLayout, pp_rank: int, config: BuildConfig) -> Any:
+def _split(owner: str, module: pl.LightningModule, pp_rank: int, config: BuildConfig) -> Any:
     """Choose the stages, keep this rank's units; returns (stage id -> unit names, num_stages, starts)."""
     units = _stages.pipeline_units(module)
     names = [name for name, _ in units]
     _chain.check_chain(owner, module, names)  # before any unit is pruned: the stages must be the model's forward
     plan = config.plan
-    per_rank, num_stages = plan.stages_per_rank, plan.num_stages
+    num_stages = plan.num_stages
     starts = _stages.split_units(owner, names, units, num_stages, plan.stage_split)
     ranges = _stages.stage_ranges(starts, len(units))
-    local = _stages.local_stage_ids(pp_rank, layout.pipeline, per_rank, plan.schedule.style)
-    owned = {sid: [names[i] for i in ranges[sid]] for sid in local}
+    owned = {sid: [names[i] for i in ranges[sid]] for sid in plan.stage_ids(pp_rank)}
     _stages.prune_to(module, units, {name for unit_names in owned.values() for name in unit_names})
     described = ", ".join(f"stage {s}: {names[r[0]]}..{names[r[-1]]}" for s, r in enumerate(ranges))
     rank_zero_info(f"{owner}: {num_stages} pipeline stages ({described}).")
@@ -89,7 +88,6 @@ def _split(owner: str, module: pl.LightningModule, layout: ParallelLayout, pp_ra
 
 def build_parallel_model(
     module: pl.LightningModule,
-    layout: ParallelLayout,
     mesh: DeviceMesh,
     rank: int,
     device: torch.device,
@@ -97,13 +95,13 @@ def build_parallel_model(
     config: BuildConfig,
 ) -> ParallelModel:
     """Stages, TP and FSDP applied to ``module`` in place for global rank ``rank``; the parts returned."""
-    owner = config.owner
+    owner, layout = config.owner, config.plan.layout
     _check_loose(owner, module, layout)
     plan = _tensor_plan.resolve_plan(owner, module, config.plan.tensor_plan, layout.tensor)
     owned: dict[int, list[str]] = {}
     num_stages, starts = 1, [0]
     if layout.pipeline > 1:
-        owned, num_stages, starts = _split(owner, module, layout, layout.coordinates(rank)[0], config)
+        owned, num_stages, starts = _split(owner, module, layout.coordinates(rank)[0], config)
     _compat.materialize_distributed_module(module, device)
     precision.convert_module(module)
     module.to(device)

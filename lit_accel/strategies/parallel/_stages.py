@@ -13,17 +13,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from torch import nn
 
-from lit_accel.protocols import StagePlacement
-
-if TYPE_CHECKING:
-    from lit_accel.strategies.parallel._layout import ParallelLayout
-    from lit_accel.strategies.parallel._schedules import ScheduleSpec
-
-__all__ = ["StageModule", "local_stage_ids", "pipeline_units", "prune_to", "split_units", "stage_placement"]
+__all__ = ["StageModule", "pipeline_units", "prune_to", "split_units"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -114,22 +108,6 @@ def _named_split(owner: str, names: list[str], num_stages: int, split: list[str]
             f" unit ({names[0]!r}). Fix: list the names in the order of {names}."
         )
     return starts
-
-
-def local_stage_ids(pp_rank: int, pipeline: int, stages_per_rank: int, style: Literal["loop", "v"]) -> list[int]:
-    """The stage indices a pipeline rank holds: ``loop`` (r, r + p, ...) or ``v`` (r and 2p - 1 - r)."""
-    if style == "v":
-        return [pp_rank, 2 * pipeline - 1 - pp_rank]
-    return [pp_rank + k * pipeline for k in range(stages_per_rank)]
-
-
-def stage_placement(
-    layout: ParallelLayout, spec: ScheduleSpec, stages_per_rank: int | None, rank: int
-) -> StagePlacement:
-    """Global ``rank``'s pipeline coordinate and the stages of every pipeline rank (``local_stage_ids``'s, as built)."""
-    per_rank = spec.stages_per_rank(stages_per_rank)
-    held = tuple(tuple(local_stage_ids(r, layout.pipeline, per_rank, spec.style)) for r in range(layout.pipeline))
-    return StagePlacement(layout.coordinates(rank)[0], held)
 
 
 def stage_ranges(starts: list[int], num_units: int) -> list[range]:

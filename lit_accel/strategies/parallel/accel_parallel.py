@@ -27,7 +27,6 @@ from lit_accel.strategies.parallel._pipeline import PipelineRunner
 from lit_accel.strategies.parallel._plan_check import PlanCheck
 from lit_accel.strategies.parallel._schedules import ScheduleName
 from lit_accel.strategies.parallel._stage import ParallelCommStats
-from lit_accel.strategies.parallel._stages import stage_placement
 from lit_accel.strategies.parallel._tensor_plan import TensorPlan
 from lit_accel.strategies.parallel.plan import ParallelPlan
 from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
@@ -185,7 +184,7 @@ class AccelParallel(ModelParallelStrategy):
         plan = self._plan
         if plan.layout.pipeline == 1:
             return None
-        placement = stage_placement(plan.layout, plan.schedule, plan.stages_per_rank, self.global_rank)
+        placement = plan.placement(self.global_rank)
         ran = 1 if self._pipeline is None else self._pipeline.last_microbatches
         return placement._replace(microbatches=ran)
 
@@ -271,7 +270,7 @@ class AccelParallel(ModelParallelStrategy):
     def _build(self, module: pl.LightningModule) -> None:
         name, compiling = type(self).__name__, self.parts.compilation is not None
         config = BuildConfig(name, self.plan, functools.partial(self.parts.compile_blocks, name) if compiling else None)
-        built = build_parallel_model(module, self.layout, self.device_mesh, self.global_rank, self.root_device,
+        built = build_parallel_model(module, self.device_mesh, self.global_rank, self.root_device,
                                      self.precision_plugin, config)  # fmt: skip
         for root in [*built.fsdp_roots, *built.stages]:
             install_counting_comms(root, self._comm_stats)

@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from lit_accel.protocols import StagePlacement
 from lit_accel.strategies import _fsdp_sharding as sharding
 from lit_accel.strategies.parallel._layout import ParallelLayout
 from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
@@ -117,6 +118,18 @@ class ParallelPlan:
     def num_stages(self) -> int:
         """Pipeline stages in all (1 without a pipeline)."""
         return self.layout.pipeline * self.stages_per_rank
+
+    def stage_ids(self, pipeline_rank: int) -> list[int]:
+        """The stages a pipeline rank holds: looped ``(r, r + p, ...)``, or a V's ``(r, 2p - 1 - r)``."""
+        pipeline = self.layout.pipeline
+        if self.schedule.style == "v" and pipeline > 1:
+            return [pipeline_rank, 2 * pipeline - 1 - pipeline_rank]
+        return [pipeline_rank + k * pipeline for k in range(self.stages_per_rank)]
+
+    def placement(self, rank: int) -> StagePlacement:
+        """Global ``rank``'s pipeline coordinate and the stages of every pipeline rank, as the model is built."""
+        held = tuple(tuple(self.stage_ids(r)) for r in range(self.layout.pipeline))
+        return StagePlacement(self.layout.coordinates(rank)[0], held)
 
     def describe(self) -> str:
         """One line: the layout, and with a pipeline its schedule and stages."""
