@@ -80,8 +80,8 @@ def run_raw(arm: str, k: int, args: Any, loader: DataLoader) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    from lit_accel.strategies._comm_stats import HookCommStats
-    from lit_accel.strategies._ddp_hooks import counting_comm_hook
+    from lit_accel.strategies.ddp._comm_hooks import counting_comm_hook
+    from lit_accel.strategies.parts._comm_stats import HookCommStats
 
     net = build_net(args.model)
     model = DistributedDataParallel(net, gradient_as_bucket_view=True)

@@ -49,7 +49,7 @@ def _plan_rank(rank: int, world: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lit_accel import AccelParallel
-    from lit_accel.strategies.parallel._plan_check import PlanCheck
+    from lit_accel.strategies.sharded._plan_check import PlanCheck
     from tests.helpers.parallel import OUT, TimmViT
 
     spent = [0.0]  # the check's own seconds: its hooks' comparisons and its verdict (the benchmark wraps them)
@@ -76,8 +76,8 @@ def _plan_rank(rank: int, world: int) -> dict[str, Any]:
 
 
 def _chain_seconds(reps: int) -> float:
-    from lit_accel.strategies.parallel._chain import check_chain
-    from lit_accel.strategies.parallel._stages import pipeline_units
+    from lit_accel.strategies.sharded._chain import check_chain
+    from lit_accel.strategies.sharded._stages import pipeline_units
     from tests.helpers.parallel import TimmViT
 
     model = TimmViT(**VIT)

@@ -80,7 +80,7 @@ def parallelize_like_accel_parallel(module: Any, stats: Any) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from lit_accel.strategies._fsdp_comm import install_counting_comms
+    from lit_accel.strategies.sharded._fsdp_comm import install_counting_comms
 
     mesh = module.device_mesh
     plan = {}
@@ -98,7 +98,7 @@ def run_arm(arm: str, args: Any, loader: Any) -> tuple[list[float], int, float]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lit_accel import AccelParallel
-    from lit_accel.strategies._fsdp_comm import FSDPCommStats
+    from lit_accel.strategies.sharded._fsdp_comm import FSDPCommStats
 
     class Probe(Callback):
         def __init__(self) -> None:

@@ -47,7 +47,7 @@ from lit_accel.protocols import (
     StagePlacement,
 )
 from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, ParallelPlan, PipelineLoss
-from lit_accel.strategies.batch_plan import BatchPlan
+from lit_accel.strategies.parts.batch_plan import BatchPlan
 from lit_accel.utilities._warnings import install as _install_warning_format
 
 _install_warning_format()  # our warnings on one line, without the source line (utilities/_warnings.py)

@@ -119,7 +119,7 @@ def test_accel_ddp_takes_ddp_strategys_positional_and_keyword_arguments():
 
 
 def test_a_device_list_spec_resolves_to_the_backend_of_the_ranks_device():
-    from lit_accel.strategies._backend import backend_for_device
+    from lit_accel.strategies.parts._backend import backend_for_device
 
     assert backend_for_device("AccelDDP", "cpu:gloo,cuda:nccl", torch.device("cpu")) == "gloo"
     assert backend_for_device("AccelDDP", "CPU:GLOO,CUDA:NCCL", torch.device("cuda", 1)) == "nccl"

@@ -173,7 +173,7 @@ class _TimedOnRequest(_Counter):
 
 def test_comm_timing_is_optional_and_the_efficiency_meter_asks_for_it_only_with_exact_comm_timing():
     from lit_accel import EfficiencyMeter
-    from lit_accel.strategies._comm_stats import HookCommStats
+    from lit_accel.strategies.parts._comm_stats import HookCommStats
 
     assert isinstance(HookCommStats(), CommTiming) and not isinstance(_Counter(), CommTiming)
     counter = _TimedOnRequest()

@@ -143,7 +143,7 @@ _GLOO_RESET = "[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:41234: Co
 
 
 def test_explanation_names_a_killed_and_a_failed_rank():
-    from lit_accel.strategies._peer_failure import explain_peer_failure
+    from lit_accel.strategies.parts._peer_failure import explain_peer_failure
 
     killed = _child("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     failed = _child("raise SystemExit(3)")
@@ -157,7 +157,7 @@ def test_explanation_names_a_killed_and_a_failed_rank():
 
 
 def test_explanation_waits_only_briefly_for_a_running_rank():
-    from lit_accel.strategies._peer_failure import explain_peer_failure
+    from lit_accel.strategies.parts._peer_failure import explain_peer_failure
 
     running = _child("import time; time.sleep(30)")
     try:
@@ -172,7 +172,7 @@ def test_explanation_waits_only_briefly_for_a_running_rank():
 
 
 def test_explanation_without_children_says_where_to_look():
-    from lit_accel.strategies._peer_failure import explain_peer_failure
+    from lit_accel.strategies.parts._peer_failure import explain_peer_failure
 
     error = RuntimeError("NCCL error: remote process exited or there was a network error")
     assert explain_peer_failure(error, 8, [])
@@ -185,7 +185,7 @@ def test_explanation_without_children_says_where_to_look():
     ids=["single-process", "other-error", "non-str-arg", "no-args"],
 )
 def test_other_errors_are_left_alone(error):
-    from lit_accel.strategies._peer_failure import explain_peer_failure
+    from lit_accel.strategies.parts._peer_failure import explain_peer_failure
 
     before = error.args
     world_size = 1 if isinstance(error, ValueError) else 2

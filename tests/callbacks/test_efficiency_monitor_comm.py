@@ -220,7 +220,7 @@ def test_equal_ranks_name_no_straggler_over_a_50_step_run(world):
 
 def test_the_per_bucket_bookkeeping_does_no_tensor_work_and_counts_from_the_end_of_the_compute():
     """HookCommStats' per-bucket path, driven as DDP drives it: a bucket handed over inside a backward that goes on."""
-    from lit_accel.strategies._comm_stats import HookCommStats
+    from lit_accel.strategies.parts._comm_stats import HookCommStats
 
     stats, cpu = HookCommStats(), torch.device("cpu")
     recorder = OpRecorder()

@@ -24,8 +24,8 @@ from lit_accel import (
     LossScaleMeter,
     LossScaleMonitor,
 )
-from lit_accel.strategies._comm_stats import HookCommStats
-from lit_accel.strategies._ddp_hooks import counting_comm_hook
+from lit_accel.strategies.ddp._comm_hooks import counting_comm_hook
+from lit_accel.strategies.parts._comm_stats import HookCommStats
 from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
 
 DATA, FORWARD, BACKWARD = 0.25, 0.5, 0.25

@@ -21,8 +21,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 
 from lit_accel import AccelDDP, AccelSyncBatchNorm
 from lit_accel.protocols import CommStats
-from lit_accel.strategies._comm_stats import HookCommStats
-from lit_accel.strategies._ddp_hooks import resolve_comm_hook
+from lit_accel.strategies.ddp._comm_hooks import resolve_comm_hook
+from lit_accel.strategies.parts._comm_stats import HookCommStats
 from lit_accel.utilities._compat import ddp_logging_data, ddp_sampled_round
 from tests.helpers import (
     BNModel,
@@ -142,7 +142,7 @@ def test_one_comm_stats_kind_whatever_the_hook_and_it_satisfies_the_protocol():
 def test_comm_stats_elapsed_time_is_the_union_of_intervals(monkeypatch):
     stats = HookCommStats()
     clock = iter([0.0, 1.0, 2.0, 3.0, 5.0, 6.0])  # starts and ends of three collectives, the first two overlap
-    monkeypatch.setattr("lit_accel.strategies._comm_stats.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("lit_accel.strategies.parts._comm_stats.time.perf_counter", lambda: next(clock))
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(torch.zeros(1))
     first, second = stats.start(torch.device("cpu")), stats.start(torch.device("cpu"))  # 0.0, 1.0
@@ -155,9 +155,9 @@ def test_comm_stats_elapsed_time_is_the_union_of_intervals(monkeypatch):
 
 
 def test_comm_stats_fold_pending_intervals_when_nobody_pops(monkeypatch):
-    monkeypatch.setattr("lit_accel.strategies._comm_stats._MAX_PENDING", 3)
+    monkeypatch.setattr("lit_accel.strategies.parts._comm_stats._MAX_PENDING", 3)
     clock = iter(float(t) for t in range(100))
-    monkeypatch.setattr("lit_accel.strategies._comm_stats.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("lit_accel.strategies.parts._comm_stats.time.perf_counter", lambda: next(clock))
     stats = HookCommStats()
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(torch.zeros(1))

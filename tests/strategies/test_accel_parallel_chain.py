@@ -1,6 +1,6 @@
 """The pipeline contract, checked (issue #45): a model whose ``forward`` is not its units in order is never split.
 
-The check traces ``forward`` (``parallel/_chain.py``); the refusals come before the first optimizer step on every rank
+The check traces ``forward`` (``sharded/_chain.py``); the refusals come before the first optimizer step on every rank
 of a real 2-process gloo job, and a model that keeps the contract (units in order, a tuple passed on) still splits.
 """
 
@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lit_accel import AccelParallel, PipelineLoss
-from lit_accel.strategies.parallel._chain import check_chain
-from lit_accel.strategies.parallel._stages import pipeline_units
+from lit_accel.strategies.sharded._chain import check_chain
+from lit_accel.strategies.sharded._stages import pipeline_units
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 from tests.helpers.parallel import IN, OUT, PipeModel, dataset
@@ -164,7 +164,7 @@ class _UpDown(PipelineLoss, pl.LightningModule):
      ({"up": "colwise"}, "entry 'up': 'colwise' has no partner")],
 )  # fmt: skip
 def test_a_tensor_plan_without_its_pairs_is_refused_naming_the_entry(plan, entry):
-    from lit_accel.strategies.parallel._tensor_plan import resolve_plan
+    from lit_accel.strategies.sharded._tensor_plan import resolve_plan
 
     with pytest.raises(ValueError, match="Fix: pair each 'colwise' Linear") as info:
         resolve_plan("AccelParallel", _UpDown(), plan, 2)
@@ -199,7 +199,7 @@ def test_a_wrong_tensor_plan_is_refused_on_every_rank_before_the_first_step():
 
 
 def test_a_plan_that_shards_across_an_operation_that_is_not_elementwise_is_refused_before_the_first_step():
-    """The sharded forward is compared with the unsharded one on the first batch (parallel/_plan_check.py): "auto"
+    """The sharded forward is compared with the unsharded one on the first batch (sharded/_plan_check.py): "auto"
     pairs up and down across a softmax over the hidden width, which would train a different model."""
     for result in run_distributed(_fit_plan, 2, "auto", "softmax", init_process_group=False, timeout=120):
         error = result["error"] or ""
@@ -237,7 +237,7 @@ def test_models_as_timm_defines_them_pass_only_when_their_units_are_the_forward(
     and the position embedding are added between units) and is refused."""
     import timm
 
-    from lit_accel.strategies.parallel._stages import StageModule
+    from lit_accel.strategies.sharded._stages import StageModule
 
     resnet = timm.create_model("resnet18", pretrained=False, num_classes=10).eval()
     assert _check(resnet) is None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lit_accel import AccelFSDP
-from lit_accel.strategies._backend import resolve_backend
+from lit_accel.strategies.parts._backend import resolve_backend
 
 CUDA = torch.device("cuda", 0)
 

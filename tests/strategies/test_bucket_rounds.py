@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lit_accel.strategies._bucket_rounds import BucketRounds
-from lit_accel.strategies._comm_stats import HookCommStats
+from lit_accel.strategies.ddp._bucket_rounds import BucketRounds
+from lit_accel.strategies.parts._comm_stats import HookCommStats
 from tests.helpers import run_distributed
 
 _SETTINGS = {"default": {}, "static_graph": {"static_graph": True}, "find_unused": {"find_unused_parameters": True}}

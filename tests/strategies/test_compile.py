@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision
-from lit_accel.strategies._compile import compile_targets
+from lit_accel.strategies.parts._compile import compile_targets
 from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
 from tests.strategies.test_accel_fsdp import full_state
 
@@ -157,7 +157,7 @@ def test_a_module_with_its_own_instance_forward_is_left_alone():
     model = nn.Sequential(nn.Linear(2, 2))
     own = model.forward
     model.forward = own  # type: ignore[method-assign]
-    from lit_accel.strategies._compile import ForwardCompilation
+    from lit_accel.strategies.parts._compile import ForwardCompilation
 
     compilation = ForwardCompilation("AccelDDP", {})
     compilation.apply([model])

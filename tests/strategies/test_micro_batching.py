@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, DynamicGradScaler
-from lit_accel.strategies._micro_batch_trials import SearchStopped, candidates, is_out_of_memory
-from lit_accel.strategies._micro_batches import split_batch
+from lit_accel.strategies.parts._micro_batch_trials import SearchStopped, candidates, is_out_of_memory
+from lit_accel.strategies.parts._micro_batches import split_batch
 from tests.helpers import (
     BNModel,
     DistributedTestError,
@@ -48,7 +48,7 @@ def test_candidates_halve_from_the_loaded_batch():
 _SEARCH = """
 import json, resource, sys, torch
 from pathlib import Path
-from lit_accel.strategies import _micro_batch_search as search, _micro_batch_trials as trials
+from lit_accel.strategies.parts import _micro_batch_search as search, _micro_batch_trials as trials
 
 def vm_size():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmSize:"))
@@ -100,7 +100,7 @@ def test_measured_trials_keep_only_a_size_that_ran_within_the_margin_under_a_rea
 _ATTEMPTS = """
 import json, resource, sys, torch
 from pathlib import Path
-from lit_accel.strategies import _micro_batch_search as search, _micro_batch_trials as trials
+from lit_accel.strategies.parts import _micro_batch_search as search, _micro_batch_trials as trials
 
 def vm_size():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmSize:"))

@@ -14,7 +14,7 @@ import pytest
 
 from lit_accel.meters._efficiency_metrics import RankWindow
 from lit_accel.meters._stragglers import StragglerWatch
-from lit_accel.strategies.batch_plan import make_batch_plan
+from lit_accel.strategies.parts.batch_plan import make_batch_plan
 from lit_accel.utilities._rank_errors import is_configuration_error, say_once
 from lit_accel.utilities._warnings import rank_zero_warn
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lit_accel import AccelDDP, AccelFSDP
-from lit_accel.strategies._micro_batches import MicroBatchHost
+from lit_accel.strategies.parts._micro_batches import MicroBatchHost
 from lit_accel.utilities._memory import CudaMemory, PeakMemory, available_bytes, optimizer_state_bytes
 
 

@@ -15,11 +15,17 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-from lit_accel.strategies._backend import backend_for_device, check_backend_spec
-from lit_accel.strategies._bucket_rounds import BucketRounds
-from lit_accel.strategies._comm_stats import HookCommStats
-from lit_accel.strategies._ddp_hooks import CommHook, CommHookName, counting_comm_hook, resolve_comm_hook, validate_comm
-from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
+from lit_accel.strategies.ddp._bucket_rounds import BucketRounds
+from lit_accel.strategies.ddp._comm_hooks import (
+    CommHook,
+    CommHookName,
+    counting_comm_hook,
+    resolve_comm_hook,
+    validate_comm,
+)
+from lit_accel.strategies.parts._backend import backend_for_device, check_backend_spec
+from lit_accel.strategies.parts._comm_stats import HookCommStats
+from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.utilities._compat import set_ddp_sample_rate
 from lit_accel.utilities._validation import check_bool, check_choice, check_number
 from lit_accel.utilities._workarounds import check_static_graph_accumulation

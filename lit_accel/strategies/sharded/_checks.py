@@ -14,17 +14,17 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_accel.strategies.parallel._schedules import analytic_bubble
+from lit_accel.strategies.sharded._schedules import analytic_bubble
 from lit_accel.utilities._compat import get_layer_sync
 from lit_accel.utilities._validation import check_choice, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.batch_plan import BatchPlan
-    from lit_accel.strategies.parallel._layout import ParallelLayout
-    from lit_accel.strategies.parallel._pipeline import PipelineRunner
-    from lit_accel.strategies.parallel.plan import ParallelPlan
+    from lit_accel.strategies.parts.batch_plan import BatchPlan
+    from lit_accel.strategies.sharded._layout import ParallelLayout
+    from lit_accel.strategies.sharded._pipeline import PipelineRunner
+    from lit_accel.strategies.sharded.plan import ParallelPlan
 
 __all__ = ["check_arguments", "check_environment", "check_model", "check_pipeline_batch"]
 

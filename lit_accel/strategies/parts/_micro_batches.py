@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from lit_accel.strategies import _micro_batch_search as search
-from lit_accel.strategies._micro_batch_trials import SearchLog, is_out_of_memory
+from lit_accel.strategies.parts import _micro_batch_search as search
+from lit_accel.strategies.parts._micro_batch_trials import SearchLog, is_out_of_memory
 from lit_accel.utilities._memory import PeakMemory, available_bytes, optimizer_state_bytes
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_accel.strategies._comm_stats import HookCommStats
+from lit_accel.strategies.parts._comm_stats import HookCommStats
 from lit_accel.utilities._compat import fsdp_comm_base_classes
 from lit_accel.utilities._timing import IntervalTimer
 from lit_accel.utilities._torch_fallbacks import all_gather_single, reduce_scatter_single

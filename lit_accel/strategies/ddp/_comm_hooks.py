@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
-from lit_accel.strategies._comm_stats import HookCommStats
+from lit_accel.strategies.parts._comm_stats import HookCommStats
 from lit_accel.utilities._validation import check_int
 
 __all__ = ["COMM_HOOK_NAMES", "CommHook", "CommHookName", "counting_comm_hook", "resolve_comm_hook", "validate_comm"]

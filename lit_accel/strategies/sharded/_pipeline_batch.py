@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.batch_plan import BatchPlan
+    from lit_accel.strategies.parts.batch_plan import BatchPlan
 
 __all__ = ["check_no_accumulation", "pipeline_micro_batches"]
 

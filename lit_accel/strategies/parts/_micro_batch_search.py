@@ -32,7 +32,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
-from lit_accel.strategies._micro_batch_trials import (
+from lit_accel.strategies.parts._micro_batch_trials import (
     MARGIN,
     SearchLog,
     Trial,

@@ -83,12 +83,20 @@ def _first_break(graph: fx.Graph, names: list[str]) -> str | None:
         if node.op == "output":
             result = node.args[0]
             return None if result is previous else f"forward returns {_returned(result)}, not the last unit's output"
-        if node.op != "call_module":
-            return f"{_describe(node)} runs between units"
-        if node.kwargs or not _takes(node, previous, inputs):
-            after = "the model's inputs" if previous is None else f"the output of unit {previous.target!r}"
-            return f"unit {node.target!r} takes {', '.join(a.name for a in node.all_input_nodes)}, not {after}"
+        problem = _link_break(node, previous, inputs)
+        if problem is not None:
+            return problem
         previous = node
+    return None
+
+
+def _link_break(node: fx.Node, previous: fx.Node | None, inputs: tuple[fx.Node, ...]) -> str | None:
+    """Why ``node`` is not the next unit applied to ``previous``'s output (or the inputs), or None."""
+    if node.op != "call_module":
+        return f"{_describe(node)} runs between units"
+    if node.kwargs or not _takes(node, previous, inputs):
+        after = "the model's inputs" if previous is None else f"the output of unit {previous.target!r}"
+        return f"unit {node.target!r} takes {', '.join(a.name for a in node.all_input_nodes)}, not {after}"
     return None
 
 

@@ -17,10 +17,10 @@ from typing import Literal
 import torch
 
 from lit_accel.protocols import StagePlacement
-from lit_accel.strategies import _fsdp_sharding as sharding
-from lit_accel.strategies.parallel._layout import ParallelLayout
-from lit_accel.strategies.parallel._schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
-from lit_accel.strategies.parallel._tensor_plan import TensorPlan, check_plan
+from lit_accel.strategies.parts import _blocks
+from lit_accel.strategies.sharded._layout import ParallelLayout
+from lit_accel.strategies.sharded._schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
+from lit_accel.strategies.sharded._tensor_plan import TensorPlan, check_plan
 from lit_accel.utilities._validation import check_choice, check_int
 
 __all__ = ["ParallelPlan"]
@@ -58,7 +58,7 @@ class ParallelPlan:
     stage_split: Literal["auto"] | tuple[str, ...]
     reshard_after_forward: bool
     tensor_plan: TensorPlan = "auto"
-    shard_policy: sharding.ShardPolicy = "auto"
+    shard_policy: _blocks.ShardPolicy = "auto"
     reduce_dtype: torch.dtype | None = torch.float32
     param_dtype: torch.dtype | None = None
     context_parallel: int = 1
@@ -69,7 +69,7 @@ class ParallelPlan:
         data_replicate: int = 1, context_parallel: int = 1, schedule: ScheduleName = "1f1b",
         stages_per_rank: int | None = None, microbatches: int | None = None,
         stage_split: Literal["auto"] | Sequence[str] = "auto", tensor_plan: TensorPlan = "auto",
-        shard_policy: sharding.ShardPolicy = "auto", reshard_after_forward: bool | None = None,
+        shard_policy: _blocks.ShardPolicy = "auto", reshard_after_forward: bool | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
     ) -> ParallelPlan:  # fmt: skip
         """The plan of ``world_size`` processes (``None``: the smallest world the sizes fit, ``data_shard`` 1).
@@ -89,7 +89,7 @@ class ParallelPlan:
         check_int(owner, "microbatches", microbatches, allow_none=True, example=8)
         check_choice(owner, "schedule", schedule, tuple(SCHEDULES), "'1f1b'")
         check_plan(owner, tensor_plan)
-        sharding.check_policy(owner, "shard_policy", shard_policy)
+        _blocks.check_policy(owner, "shard_policy", shard_policy)
         _check_types(owner, stage_split, reshard_after_forward, reduce_dtype)
         given = pipeline_parallel * tensor_parallel * data_replicate
         layout = ParallelLayout.from_world(owner, given if world_size is None else world_size, pipeline_parallel,
@@ -126,10 +126,10 @@ class ParallelPlan:
             return [pipeline_rank, 2 * pipeline - 1 - pipeline_rank]
         return [pipeline_rank + k * pipeline for k in range(self.stages_per_rank)]
 
-    def placement(self, rank: int) -> StagePlacement:
+    def placement(self, rank: int, microbatches: int = 1) -> StagePlacement:
         """Global ``rank``'s pipeline coordinate and the stages of every pipeline rank, as the model is built."""
         held = tuple(tuple(self.stage_ids(r)) for r in range(self.layout.pipeline))
-        return StagePlacement(self.layout.coordinates(rank)[0], held)
+        return StagePlacement(self.layout.coordinates(rank)[0], held, microbatches)
 
     def describe(self) -> str:
         """One line: the layout, and with a pipeline its schedule and stages."""

@@ -17,17 +17,18 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lit_accel.strategies import _fsdp_sharding as sharding
-from lit_accel.strategies.parallel import _chain, _stages, _tensor_plan
-from lit_accel.strategies.parallel._plan_check import PlanCheck
+from lit_accel.strategies.parts import _blocks
+from lit_accel.strategies.sharded import _chain, _stages, _tensor_plan
+from lit_accel.strategies.sharded import _fsdp_sharding as sharding
+from lit_accel.strategies.sharded._plan_check import PlanCheck
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lit_accel.strategies.parallel._layout import ParallelLayout
-    from lit_accel.strategies.parallel.plan import ParallelPlan
+    from lit_accel.strategies.sharded._layout import ParallelLayout
+    from lit_accel.strategies.sharded.plan import ParallelPlan
 
 __all__ = ["BuildConfig", "ParallelModel", "build_parallel_model"]
 
@@ -111,7 +112,7 @@ def build_parallel_model(
     # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
     # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
     shards = layout.data > 1 or layout.tensor > 1
-    blocks = sharding.find_blocks(owner, module, config.plan.shard_policy) if shards or config.compile_blocks else []
+    blocks = _blocks.find_blocks(owner, module, config.plan.shard_policy) if shards or config.compile_blocks else []
     if config.compile_blocks is not None:
         config.compile_blocks(module, blocks)  # this rank's blocks (the other stages' are pruned)
     stages = [

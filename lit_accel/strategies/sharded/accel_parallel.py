@@ -16,20 +16,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lit_accel.strategies import _fsdp_sharding as sharding
-from lit_accel.strategies._backend import backend_for_device, check_backend_spec
-from lit_accel.strategies._fsdp_comm import GradientSync, install_counting_comms
-from lit_accel.strategies.parallel import _checks, _gradients
-from lit_accel.strategies.parallel._batch import check_no_accumulation, pipeline_micro_batches
-from lit_accel.strategies.parallel._build import BuildConfig, ParallelModel, build_parallel_model
-from lit_accel.strategies.parallel._layout import ParallelLayout
-from lit_accel.strategies.parallel._pipeline import PipelineRunner
-from lit_accel.strategies.parallel._plan_check import PlanCheck
-from lit_accel.strategies.parallel._schedules import ScheduleName
-from lit_accel.strategies.parallel._stage import ParallelCommStats
-from lit_accel.strategies.parallel._tensor_plan import TensorPlan
-from lit_accel.strategies.parallel.plan import ParallelPlan
-from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
+from lit_accel.strategies.parts import _blocks
+from lit_accel.strategies.parts._backend import backend_for_device, check_backend_spec
+from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
+from lit_accel.strategies.sharded import _checks, _gradients
+from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, build_parallel_model
+from lit_accel.strategies.sharded._fsdp_comm import GradientSync, install_counting_comms
+from lit_accel.strategies.sharded._layout import ParallelLayout
+from lit_accel.strategies.sharded._pipeline import PipelineRunner
+from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, pipeline_micro_batches
+from lit_accel.strategies.sharded._plan_check import PlanCheck
+from lit_accel.strategies.sharded._schedules import ScheduleName
+from lit_accel.strategies.sharded._stage import ParallelCommStats
+from lit_accel.strategies.sharded._tensor_plan import TensorPlan
+from lit_accel.strategies.sharded.plan import ParallelPlan
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class AccelParallel(ModelParallelStrategy):
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
-        shard_policy: sharding.ShardPolicy = "auto",
+        shard_policy: _blocks.ShardPolicy = "auto",
         reshard_after_forward: bool | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
         state_dict_type: Literal["full", "sharded"] = "sharded",
@@ -184,9 +184,8 @@ class AccelParallel(ModelParallelStrategy):
         plan = self._plan
         if plan.layout.pipeline == 1:
             return None
-        placement = plan.placement(self.global_rank)
         ran = 1 if self._pipeline is None else self._pipeline.last_microbatches
-        return placement._replace(microbatches=ran)
+        return plan.placement(self.global_rank, ran)
 
     @property
     @override

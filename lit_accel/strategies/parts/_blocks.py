@@ -1,28 +1,20 @@
-"""Which modules AccelFSDP shards, and how: FSDP2's ``fully_shard`` per block and then on the root.
+"""A model's blocks: the modules a policy selects, which FSDP shards one by one and ``compile=`` compiles one by one.
 
-A *sharding policy* names the blocks: ``"auto"`` (the class that repeats most often inside a ``ModuleList`` or
+A *policy* names the blocks: ``"auto"`` (the class that repeats most often inside a ``ModuleList`` or
 ``Sequential``, such as timm's ViT ``Block`` or a ResNet's ``BasicBlock``), a module class or tuple of classes, a
 minimum parameter count (every smallest subtree holding at least that many parameters not already in a block), or a
-callable ``module -> bool``. Blocks are sharded innermost first, then the root, as torchtitan does; activation
-checkpointing wraps the blocks first (``torch.distributed._composable.checkpoint``: no module or key changes).
+callable ``module -> bool``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
-import torch
 from torch import nn
 
-from lit_accel.utilities._compat import composable_checkpoint
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-__all__ = ["ShardPolicy", "check_policy", "find_blocks", "shard_model"]
+__all__ = ["ShardPolicy", "check_policy", "find_blocks"]
 
 ShardPolicy = Literal["auto"] | type | tuple[type, ...] | int | Callable[[nn.Module], bool]
 
@@ -111,35 +103,3 @@ def _by_size(model: nn.Module, min_params: int) -> list[nn.Module]:
 
     visit(model)
     return blocks[::-1]
-
-
-def shard_model(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    blocks: list[nn.Module],
-    *,
-    reshard_after_forward: bool,
-    mp_policy: Any,
-    offload_policy: Any,
-    checkpointed: list[nn.Module],
-) -> None:
-    """Checkpoint ``checkpointed``, then ``fully_shard`` each block (innermost first) and the root, in place."""
-    from torch.distributed.fsdp import fully_shard
-
-    checkpoint = composable_checkpoint()
-    for module in checkpointed:
-        checkpoint(module)
-    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    for block in reversed(blocks):
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
-    # The root's forward hooks see a step's (batch, batch_idx): autocast casts what the root's own layers compute
-    # on, so casting the batch (float targets included) to the compute dtype there would only lose precision.
-    kwargs["mp_policy"] = dataclasses.replace(mp_policy, cast_forward_inputs=False)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
-
-
-def mixed_precision_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> Any:
-    """FSDP2's policy: parameters cast to ``param_dtype`` for compute, gradients reduced in ``reduce_dtype``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)

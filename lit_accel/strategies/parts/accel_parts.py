@@ -18,13 +18,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_accel.callbacks.hang_watchdog import add_hang_watchdog
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, is_synced_batchnorm
-from lit_accel.strategies._batch_planner import BatchPlanner
-from lit_accel.strategies._batchnorm_sync import BatchNormSync
-from lit_accel.strategies._compile import ForwardCompilation, check_compile, compile_targets
-from lit_accel.strategies._micro_batch_trials import is_out_of_memory
-from lit_accel.strategies._micro_batches import MicroBatchHost, MicroBatching, out_of_memory_message
-from lit_accel.strategies._partial_window import PartialWindow
-from lit_accel.strategies._peer_failure import explain_peer_failure, is_peer_loss
+from lit_accel.strategies.parts._batch_planner import BatchPlanner
+from lit_accel.strategies.parts._batchnorm_sync import BatchNormSync
+from lit_accel.strategies.parts._compile import ForwardCompilation, check_compile, compile_targets
+from lit_accel.strategies.parts._micro_batch_trials import is_out_of_memory
+from lit_accel.strategies.parts._micro_batches import MicroBatchHost, MicroBatching, out_of_memory_message
+from lit_accel.strategies.parts._partial_window import PartialWindow
+from lit_accel.strategies.parts._peer_failure import explain_peer_failure, is_peer_loss
 from lit_accel.utilities._compat import get_layer_sync, launched_child_processes, set_layer_sync
 from lit_accel.utilities._rank_errors import say_once
 from lit_accel.utilities._validation import check_number
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
     from torch.optim import Optimizer
 
-    from lit_accel.strategies.batch_plan import BatchPlan
+    from lit_accel.strategies.parts.batch_plan import BatchPlan
 
 __all__ = ["AccelParts", "register_names", "serves_parts_attributes"]
 

@@ -15,10 +15,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-from lit_accel.strategies import _fsdp_sharding as sharding
-from lit_accel.strategies._backend import check_backend_spec, resolve_backend
-from lit_accel.strategies._fsdp_comm import FSDPCommStats, GradientSync, install_counting_comms
-from lit_accel.strategies.parts import AccelParts, register_names, serves_parts_attributes
+from lit_accel.strategies.parts import _blocks
+from lit_accel.strategies.parts._backend import check_backend_spec, resolve_backend
+from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
+from lit_accel.strategies.sharded import _fsdp_sharding as sharding
+from lit_accel.strategies.sharded._fsdp_comm import FSDPCommStats, GradientSync, install_counting_comms
 from lit_accel.utilities import _compat
 from lit_accel.utilities._validation import check_bool, check_choice
 
@@ -122,11 +123,11 @@ class AccelFSDP(_RootCalls):
         micro_batch_size: int | Literal["auto"] | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
         sync_batchnorm: bool | AccelSyncBatchNorm = True,
-        shard_policy: sharding.ShardPolicy = "auto",
+        shard_policy: _blocks.ShardPolicy = "auto",
         reshard_after_forward: bool = True,
         reduce_dtype: torch.dtype | None = torch.float32,
         cpu_offload: bool = False,
-        activation_checkpointing: bool | sharding.ShardPolicy = False,
+        activation_checkpointing: bool | _blocks.ShardPolicy = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         hang_timeout: float | None = None,
         compile: bool | Mapping[str, Any] = False,
@@ -146,9 +147,9 @@ class AccelFSDP(_RootCalls):
         check_choice(name, "state_dict_type", state_dict_type, ("full", "sharded"), "'full'")
         for flag, value in (("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload)):
             check_bool(name, flag, value)
-        sharding.check_policy(name, "shard_policy", shard_policy)
+        _blocks.check_policy(name, "shard_policy", shard_policy)
         if activation_checkpointing is not False and activation_checkpointing is not True:
-            sharding.check_policy(name, "activation_checkpointing", activation_checkpointing)
+            _blocks.check_policy(name, "activation_checkpointing", activation_checkpointing)
         if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
             raise TypeError(f"{name}(reduce_dtype={reduce_dtype!r}): expected a torch.dtype. Fix: torch.float32.")
         super().__init__(
@@ -238,12 +239,12 @@ class AccelFSDP(_RootCalls):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         name = type(self).__name__
-        blocks = sharding.find_blocks(name, model, self.shard_policy)
+        blocks = _blocks.find_blocks(name, model, self.shard_policy)
         ac = self.activation_checkpointing
         if isinstance(ac, bool):
             checkpointed = blocks if ac else []
         else:
-            checkpointed = sharding.find_blocks(name, model, ac, "activation_checkpointing")
+            checkpointed = _blocks.find_blocks(name, model, ac, "activation_checkpointing")
         precision = self.precision_plugin
         param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
         pin = self.root_device.type == "cuda"  # pinned host memory needs a CUDA driver

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.pipelining import PipelineStage
 
 from lit_accel.protocols import PipelineBubble
-from lit_accel.strategies._fsdp_comm import FSDPCommStats
+from lit_accel.strategies.sharded._fsdp_comm import FSDPCommStats
 
 if TYPE_CHECKING:
-    from lit_accel.strategies.parallel._bubble import BubbleMeter
+    from lit_accel.strategies.sharded._bubble import BubbleMeter
 
 __all__ = ["ParallelCommStats", "TimedStage"]
 
