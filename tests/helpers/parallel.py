@@ -172,9 +172,12 @@ def fit_reference(samples: int, global_batch: int, steps: int, make_model: Any =
 
 
 def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples: int, loaded: int, steps: int,
-                 make_model: Any = PipeModel, make_data: Any = dataset,
+                 make_model: Any = PipeModel, make_data: Any = dataset, observe: Any = None,
                  **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
-    """One rank of an AccelParallel fit; each data-parallel replica loads ``loaded`` samples per step."""
+    """One rank of an AccelParallel fit; each data-parallel replica loads ``loaded`` samples per step.
+
+    ``observe(model, strategy)``: a dict of what else to return, read after the fit.
+    """
     from lit_accel import AccelParallel
 
     pl.seed_everything(0, verbose=False)
@@ -194,6 +197,7 @@ def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples
     result["comm"] = {k: getattr(strategy.comm_stats, k) for k in counters}
     result["fsdp_groups"] = fsdp_groups(model, strategy)
     result["layout"] = strategy.layout
+    result.update(observe(model, strategy) if observe is not None else {})
     return result
 
 

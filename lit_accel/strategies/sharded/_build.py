@@ -109,19 +109,37 @@ def build_parallel_model(
     tensor_modules, changed = _tensor_plan.apply_plan(module, mesh["tensor"], plan) if plan else ([], {})
     # every rank (a stage without parallelised modules too): the verdict is agreed over the world
     plan_check = PlanCheck(owner, module, tensor_modules, changed, mesh["tensor"].get_group()) if plan else None
-    # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
-    # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
-    shards = layout.data > 1 or layout.tensor > 1
-    blocks = _blocks.find_blocks(owner, module, config.plan.shard_policy) if shards or config.compile_blocks else []
-    if config.compile_blocks is not None:
-        config.compile_blocks(module, blocks)  # this rank's blocks (the other stages' are pruned)
     stages = [
         _stages.StageModule(sid, [(name, module.get_submodule(name)) for name in names]) for sid, names in owned.items()
     ]
-    roots: list[nn.Module] = []
-    if shards:
-        roots = _shard(module, stages, blocks, layout.data_mesh(mesh), config)
+    roots = _wrap_blocks(owner, module, stages, mesh, config)
     return ParallelModel(stages, roots, tensor_modules, num_stages, starts, plan_check)
+
+
+def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule], mesh: DeviceMesh,
+                 config: BuildConfig) -> list[nn.Module]:  # fmt: skip
+    """This rank's blocks compiled, checkpointed and sharded (in that order); the FSDP roots returned."""
+    plan = config.plan
+    # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
+    # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call. Offloading is
+    # FSDP's too.
+    shards = plan.layout.data > 1 or plan.layout.tensor > 1 or plan.cpu_offload
+    wanted = shards or config.compile_blocks is not None or plan.activation_checkpointing is True
+    # this rank's blocks (the other stages' are pruned)
+    blocks = _blocks.find_blocks(owner, module, plan.shard_policy) if wanted else []
+    if config.compile_blocks is not None:
+        config.compile_blocks(module, blocks)
+    _checkpoint(owner, module, blocks, plan.activation_checkpointing)
+    return _shard(module, stages, blocks, plan.layout.data_mesh(mesh), config) if shards else []
+
+
+def _checkpoint(owner: str, module: nn.Module, blocks: list[nn.Module], policy: Any) -> None:
+    """Activation checkpointing on ``blocks`` (``True``) or on what ``policy`` selects: before FSDP, as AccelFSDP."""
+    if policy is False:
+        return
+    checkpoint = _compat.composable_checkpoint()
+    for block in blocks if policy is True else _blocks.find_blocks(owner, module, policy, "activation_checkpointing"):
+        checkpoint(block)
 
 
 def _shard(
@@ -129,11 +147,13 @@ def _shard(
     config: BuildConfig,
 ) -> list:  # fmt: skip
     """FSDP over the data dimension: blocks first, then each stage (or each top-level unit) as a root."""
-    mp_policy = sharding.mixed_precision_policy(config.plan.param_dtype, config.plan.reduce_dtype)
-    from torch.distributed.fsdp import OffloadPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
+    mp_policy = sharding.mixed_precision_policy(config.plan.param_dtype, config.plan.reduce_dtype)
+    pin = data_mesh.device_type == "cuda"  # pinned host memory needs a CUDA driver
+    offload = CPUOffloadPolicy(pin_memory=pin) if config.plan.cpu_offload else OffloadPolicy()
     kwargs = dict(reshard_after_forward=config.plan.reshard_after_forward, mp_policy=mp_policy,
-                  offload_policy=OffloadPolicy(), checkpointed=[])  # fmt: skip
+                  offload_policy=offload, checkpointed=[])  # fmt: skip
     if stages:
         roots: list[nn.Module] = list(stages)
     else:

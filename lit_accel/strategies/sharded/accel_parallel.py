@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lit_accel.strategies.parts import _blocks
-from lit_accel.strategies.parts._backend import backend_for_device, check_backend_spec
+from lit_accel.strategies.parts._backend import check_backend_spec, resolve_backend
 from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.strategies.sharded import _checks, _gradients
 from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, build_parallel_model
@@ -70,7 +70,8 @@ class AccelParallel(ModelParallelStrategy):
         global_batch_size, micro_batch_size, partial_window, hang_timeout: as for ``AccelFSDP`` (an int
             ``micro_batch_size``; under a pipeline it is the pipeline's micro-batch, and there is no accumulation).
         compile: as for ``AccelFSDP``; each block is compiled after tensor parallelism, before FSDP, on every stage.
-        shard_policy, reduce_dtype: as for ``AccelFSDP``. reshard_after_forward: ``None``: not under a pipeline.
+        shard_policy, reduce_dtype, activation_checkpointing, cpu_offload: as for ``AccelFSDP``, on every layout and
+            stage. reshard_after_forward: ``None``: not under a pipeline.
         state_dict_type: ``"sharded"`` (a distributed checkpoint that resumes under another layout) or ``"full"``.
         context_parallel: only 1 (context parallel's backward has no CPU kernel; not supported yet).
         process_group_backend, timeout, start_method: as for ``AccelDDP``.
@@ -103,6 +104,8 @@ class AccelParallel(ModelParallelStrategy):
         shard_policy: _blocks.ShardPolicy = "auto",
         reshard_after_forward: bool | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
+        activation_checkpointing: bool | _blocks.ShardPolicy = False,
+        cpu_offload: bool = False,
         state_dict_type: Literal["full", "sharded"] = "sharded",
         context_parallel: int = 1,
         hang_timeout: float | None = None,
@@ -119,7 +122,7 @@ class AccelParallel(ModelParallelStrategy):
             data_replicate=data_replicate, context_parallel=context_parallel, schedule=schedule,
             stages_per_rank=stages_per_rank, microbatches=microbatches, stage_split=stage_split,
             tensor_plan=tensor_plan, shard_policy=shard_policy, reshard_after_forward=reshard_after_forward,
-            reduce_dtype=reduce_dtype,
+            reduce_dtype=reduce_dtype, activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
         )  # fmt: skip
         _checks.check_arguments(name, self._plan, micro_batch_size=micro_batch_size, state_dict_type=state_dict_type,
                                 partial_window=partial_window, start_method=start_method)  # fmt: skip
@@ -221,8 +224,8 @@ class AccelParallel(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         name = type(self).__name__
-        if self._process_group_backend is not None:
-            backend_for_device(name, self._process_group_backend, self.root_device)
+        self._process_group_backend = resolve_backend(name, self._process_group_backend, self.root_device,
+                                                      cpu_collectives=self._plan.cpu_offload)  # fmt: skip
         world, precision = self.num_nodes * self.num_processes, self.precision_plugin
         param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
         self._plan = self._plan.for_world(name, world, param_dtype=param_dtype)

@@ -21,7 +21,7 @@ from lit_accel.strategies.parts import _blocks
 from lit_accel.strategies.sharded._layout import ParallelLayout
 from lit_accel.strategies.sharded._schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
 from lit_accel.strategies.sharded._tensor_plan import TensorPlan, check_plan
-from lit_accel.utilities._validation import check_choice, check_int
+from lit_accel.utilities._validation import check_bool, check_choice, check_int
 
 __all__ = ["ParallelPlan"]
 
@@ -49,6 +49,10 @@ class ParallelPlan:
         reduce_dtype, param_dtype: FSDP's gradient-reduction and parameter dtypes (``param_dtype`` from the
             precision plugin, set by :meth:`for_world`; ``None``: the parameters' own).
         context_parallel: the sequence-parallel size (only 1 runs today).
+        activation_checkpointing: recompute blocks' activations in backward: ``True`` (the blocks ``shard_policy``
+            finds), ``False``, or a policy like ``shard_policy``; on every stage, with or without sharding.
+        cpu_offload: FSDP keeps parameters, gradients and optimizer state on the CPU (it then shards even over one
+            data rank).
     """
 
     layout: ParallelLayout
@@ -62,6 +66,8 @@ class ParallelPlan:
     reduce_dtype: torch.dtype | None = torch.float32
     param_dtype: torch.dtype | None = None
     context_parallel: int = 1
+    activation_checkpointing: bool | _blocks.ShardPolicy = False
+    cpu_offload: bool = False
 
     @classmethod
     def build(
@@ -70,7 +76,8 @@ class ParallelPlan:
         stages_per_rank: int | None = None, microbatches: int | None = None,
         stage_split: Literal["auto"] | Sequence[str] = "auto", tensor_plan: TensorPlan = "auto",
         shard_policy: _blocks.ShardPolicy = "auto", reshard_after_forward: bool | None = None,
-        reduce_dtype: torch.dtype | None = torch.float32,
+        reduce_dtype: torch.dtype | None = torch.float32, activation_checkpointing: bool | _blocks.ShardPolicy = False,
+        cpu_offload: bool = False,
     ) -> ParallelPlan:  # fmt: skip
         """The plan of ``world_size`` processes (``None``: the smallest world the sizes fit, ``data_shard`` 1).
 
@@ -90,6 +97,9 @@ class ParallelPlan:
         check_choice(owner, "schedule", schedule, tuple(SCHEDULES), "'1f1b'")
         check_plan(owner, tensor_plan)
         _blocks.check_policy(owner, "shard_policy", shard_policy)
+        if not isinstance(activation_checkpointing, bool):
+            _blocks.check_policy(owner, "activation_checkpointing", activation_checkpointing)
+        check_bool(owner, "cpu_offload", cpu_offload)
         _check_types(owner, stage_split, reshard_after_forward, reduce_dtype)
         given = pipeline_parallel * tensor_parallel * data_replicate
         layout = ParallelLayout.from_world(owner, given if world_size is None else world_size, pipeline_parallel,
@@ -97,11 +107,19 @@ class ParallelPlan:
         spec = SCHEDULES[schedule]
         per_rank = _stages_per_rank(owner, spec, stages_per_rank, pipeline_parallel)
         _check_pipeline(owner, spec, pipeline_parallel, per_rank, microbatches, reshard_after_forward)
+        if pipeline_parallel > 1 and spec.split_backward and activation_checkpointing is not False:
+            raise ValueError(
+                f"{owner}(schedule={spec.name!r}, activation_checkpointing={activation_checkpointing!r}): a"
+                " split-backward schedule takes the input and the weight gradients in two passes, which torch's"
+                " checkpoint cannot recompute for. Fix: activation_checkpointing=False, or schedule='1f1b' or"
+                " 'interleaved_1f1b'."
+            )
         split: Literal["auto"] | tuple[str, ...] = "auto" if stage_split == "auto" else tuple(stage_split)
         # torchtitan's choice: a pipeline's stages keep their parameters from the forward to the backward
         reshard = pipeline_parallel == 1 if reshard_after_forward is None else reshard_after_forward
         return cls(layout, spec, per_rank, microbatches, split, reshard, tensor_plan, shard_policy, reduce_dtype,
-                   None, context_parallel)  # fmt: skip
+                   context_parallel=context_parallel, activation_checkpointing=activation_checkpointing,
+                   cpu_offload=cpu_offload)  # fmt: skip
 
     def for_world(self, owner: str, world_size: int, *, param_dtype: torch.dtype | None = None) -> ParallelPlan:
         """This plan with its data-sharded size inferred from ``world_size`` (and the precision's parameter dtype).

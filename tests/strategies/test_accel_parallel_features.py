@@ -1,0 +1,76 @@
+"""Issue #49, first step: AccelFSDP's features on AccelParallel's layouts, each equal to one process.
+
+Activation checkpointing and CPU offload under pp2xdp2 (a pipeline of two stages, each sharded over two data ranks),
+pp2 (no data sharding) and dp2xtp2: the gradients of every step and the parameters and momentum after them equal one
+process on the same global batch (``assert_equivalent``), and the feature is shown to act: each block's first layer
+runs at least twice per micro-batch when its activations are recomputed, and every FSDP parameter group holds the
+CPU offload policy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.helpers.parallel import Block, PipeModel, fit_parallel
+from tests.strategies.test_accel_parallel import STEPS, assert_equivalent
+
+_CALLS: Counter[str] = Counter()
+
+
+def _count(name: str) -> None:
+    _CALLS.update([name])
+
+
+def _counting_model(depth: int) -> PipeModel:
+    """PipeModel whose blocks count their first layer's forward calls (a recomputation in backward is one too)."""
+    model = PipeModel(depth=depth)
+    for name, module in model.named_modules():
+        if isinstance(module, Block):
+            module.fc1.register_forward_hook(lambda *_, name=name: _count(name))
+    return model
+
+
+def _observe(model: Any, strategy: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    stages = [] if strategy.pipeline is None else strategy.pipeline.modules
+    fsdp = {id(m): m for root in [model, *stages] for m in root.modules() if isinstance(m, FSDPModule)}
+    # what each FSDP module was sharded with (torch keeps it on the module's parameter group)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in fsdp.values()]
+    offloaded = [isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups if g is not None]
+    return {"block_calls": dict(_CALLS), "offloaded": offloaded}
+
+
+def _fit_observed(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    _CALLS.clear()
+    return fit_parallel(rank, world, *args, observe=_observe, **kwargs)
+
+
+AC, OFFLOAD = {"activation_checkpointing": True}, {"cpu_offload": True}
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "feature"),
+    [
+        ({"pipeline_parallel": 2}, 4, AC),
+        ({"pipeline_parallel": 2}, 4, OFFLOAD),
+        ({"pipeline_parallel": 2}, 2, AC),  # no data sharding: checkpointed without FSDP
+        ({"pipeline_parallel": 2}, 2, OFFLOAD),  # offload shards over the one data rank
+        ({"tensor_parallel": 2}, 4, {**AC, **OFFLOAD}),
+    ],
+    ids=["pp2xdp2-ac", "pp2xdp2-offload", "pp2-ac", "pp2-offload", "dp2xtp2-ac-offload"],
+)
+def test_a_feature_of_accel_fsdp_on_a_layout_equals_one_process(layout, world, feature):
+    results = assert_equivalent({**layout, **feature}, world=world, loaded=8, fit=_fit_observed,
+                                make_model=_counting_model)  # fmt: skip
+    recomputed, offloaded = "activation_checkpointing" in feature, "cpu_offload" in feature
+    microbatches = 2 * 2 if "pipeline_parallel" in layout else 1  # a pipeline's default: twice the stages
+    once = STEPS * microbatches  # + 1 or 2 under a pipeline: torch's stages run forwards to learn output shapes
+    for result in results:
+        calls = result["block_calls"]
+        assert calls and all((n >= 2 * once) if recomputed else (n <= once + 2) for n in calls.values()), calls
+        assert result["offloaded"] or not offloaded  # offloading means FSDP groups, each with the policy
+        assert set(result["offloaded"]) <= {offloaded}
