@@ -6,6 +6,7 @@ user's classes; what this one does instead: ``docs/strategies.md``, SyncBatchNor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -75,17 +76,19 @@ class AccelSyncBatchNorm(LayerSync):
         self.process_group: Any | None = None
 
     @override
-    def apply(self, model: Module) -> Module:
+    def apply(self, model: Module, groups: Sequence[Sequence[int]] | None = None) -> Module:
         """Convert every BatchNorm layer of ``model`` in place to a synchronised one sharing its parameters and buffers.
 
         Call it on every rank, after the default process group exists (it creates the sub-groups). Layers already
-        synchronised are left alone; a BatchNorm root is replaced (returned).
+        synchronised are left alone; a BatchNorm root is replaced (returned). ``groups``: every group of ranks that
+        synchronise together, each rank in one (a strategy's data dimension, e.g. AccelParallel's: the ranks with
+        one pipeline and tensor coordinate); ``None``: consecutive ranks in groups of ``group_size``.
 
         Raises:
             ValueError: ``group_size`` does not divide the world size, or ``implementation="torch"`` while the layers
                 will run on CPU.
         """
-        self.process_group = self._create_group()
+        self.process_group = self._create_group() if groups is None else _group_of(groups)
         todo = [m for m in model.modules() if isinstance(m, _BatchNorm) and not is_synced_batchnorm(m)]
         self.num_converted = len(todo)  # modules() lists a shared layer once, and it is converted once
         self.resolved_implementation = self._resolve_implementation(todo[0]) if todo else None
@@ -149,6 +152,14 @@ class AccelSyncBatchNorm(LayerSync):
             sync.qconfig = bn.qconfig
         sync.__dict__[_ORIGINAL] = bn
         return sync
+
+
+def _group_of(groups: Sequence[Sequence[int]]) -> Any | None:
+    """This rank's group of ``groups`` (every rank creates all of them, as ``new_group`` requires); None: the world."""
+    if len(groups) == 1 and len(groups[0]) == dist.get_world_size():
+        return None
+    group, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in groups])
+    return group
 
 
 def _original_with_current_tensors(module: Module) -> Module | None:

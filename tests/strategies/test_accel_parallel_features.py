@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.plugins import LayerSync
 
 from tests.helpers.parallel import Block, PipeModel, fit_parallel
 from tests.strategies.test_accel_parallel import STEPS, assert_equivalent
@@ -74,3 +77,59 @@ def test_a_feature_of_accel_fsdp_on_a_layout_equals_one_process(layout, world, f
         assert calls and all((n >= 2 * once) if recomputed else (n <= once + 2) for n in calls.values()), calls
         assert result["offloaded"] or not offloaded  # offloading means FSDP groups, each with the policy
         assert set(result["offloaded"]) <= {offloaded}
+
+
+class _BatchNormModel(PipeModel):
+    """PipeModel with BatchNorm1d where its LayerNorm was: statistics over the batch, so ranks must agree on them."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__(depth=depth)
+        self.norm = torch.nn.BatchNorm1d(self.embed.out_features)
+
+
+def _batchnorm_classes(model: Any, strategy: Any) -> dict[str, Any]:
+    from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
+
+    return {"synced": isinstance(model.norm, SyncBatchNorm)}  # (FSDP gives it a subclass of its own)
+
+
+def _fit_batchnorm(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return fit_parallel(rank, world, *args, observe=_batchnorm_classes, **kwargs)
+
+
+@pytest.mark.parametrize(("layout", "world"), [({"tensor_parallel": 2}, 4), ({}, 2)], ids=["dp2xtp2", "dp2"])
+def test_sync_batchnorm_over_the_data_dimension_equals_batchnorm_on_the_global_batch(layout, world):
+    # each data rank normalises its 8 samples with the statistics of all 16, as one process does on its batch of 16
+    results = assert_equivalent(layout, world=world, loaded=8, fit=_fit_batchnorm, make_model=_BatchNormModel)
+    assert all(r["synced"] for r in results)
+
+
+class _WorldLayerSync(LayerSync):
+    """A user's own LayerSync: it would synchronise over the world."""
+
+    def apply(self, model: Any) -> Any:
+        return model
+
+    def revert(self, model: Any) -> Any:
+        return model
+
+
+def _fit_with_own_layer_sync(rank: int, world: int) -> str:
+    from torch.utils.data import DataLoader
+
+    from lit_accel import AccelParallel
+    from tests.helpers import small_trainer_kwargs
+    from tests.helpers.parallel import dataset
+
+    trainer = pl.Trainer(strategy=AccelParallel(tensor_parallel=2), plugins=[_WorldLayerSync()],
+                         **small_trainer_kwargs(devices=world))  # fmt: skip
+    with pytest.raises(ValueError, match=r"LayerSync plugin _WorldLayerSync, which synchronises over the world") as e:
+        trainer.fit(_BatchNormModel(depth=2), DataLoader(dataset(16), batch_size=4))
+    return str(e.value)
+
+
+def test_a_users_own_layer_sync_is_refused_where_the_world_is_not_the_data_dimension():
+    from tests.helpers import run_distributed
+
+    assert all("Fix: AccelSyncBatchNorm()" in m for m in run_distributed(_fit_with_own_layer_sync, 2,
+                                                                         init_process_group=False))  # fmt: skip

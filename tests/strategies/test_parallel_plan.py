@@ -102,6 +102,13 @@ def test_the_strategy_refuses_at_construction_what_its_plan_or_it_cannot_run(kwa
         AccelParallel(**kwargs)
 
 
+def test_data_groups_are_the_ranks_of_one_pipeline_and_tensor_coordinate():
+    plan = ParallelPlan.build("AccelParallel", 16, pipeline_parallel=2, tensor_parallel=2)  # data 4, tensor innermost
+    assert plan.data_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert plan.data_groups(2) == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
+    assert ParallelPlan.build("AccelFSDP", 4).data_groups() == [[0, 1, 2, 3]]  # the whole world
+
+
 def _fit_plan(rank: int, world: int) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader

@@ -174,7 +174,8 @@ class AccelParts:
                                     even_micro_batches=splits_batches, micro_batches=micro_batches)  # fmt: skip
         self.window.new_fit()
         self.micro = None if splits_batches else self._micro_batching(plan, module, strategy.num_processes)
-        set_layer_sync(strategy, self.batchnorm_sync.resolve(get_layer_sync(strategy), module, strategy.world_size))
+        # BatchNorm statistics are synchronised over the ranks that see different samples: the data dimension
+        set_layer_sync(strategy, self.batchnorm_sync.resolve(get_layer_sync(strategy), module, data_parallel_size))
         return plan
 
     def _micro_batching(

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies.parts import _blocks
 from lit_accel.strategies.sharded import _chain, _stages, _tensor_plan
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
@@ -42,6 +44,8 @@ class BuildConfig:
     plan: ParallelPlan
     #: with ``compile=``: called with the module and its blocks after TP, before FSDP (``AccelParts.compile_blocks``)
     compile_blocks: Callable[[nn.Module, list[nn.Module]], None] | None = None
+    #: the LayerSync plugin resolved for this fit (SyncBatchNorm), applied to this rank's units before FSDP
+    layer_sync: LayerSync | None = None
 
 
 @dataclass
@@ -103,6 +107,7 @@ def build_parallel_model(
     num_stages, starts = 1, [0]
     if layout.pipeline > 1:
         owned, num_stages, starts = _split(owner, module, layout.coordinates(rank)[0], config)
+    _sync_layers(module, config)
     _compat.materialize_distributed_module(module, device)
     precision.convert_module(module)
     module.to(device)
@@ -114,6 +119,15 @@ def build_parallel_model(
     ]
     roots = _wrap_blocks(owner, module, stages, mesh, config)
     return ParallelModel(stages, roots, tensor_modules, num_stages, starts, plan_check)
+
+
+def _sync_layers(module: nn.Module, config: BuildConfig) -> None:
+    """SyncBatchNorm over each data dimension (never over a stage's or a tensor shard's peers), before FSDP."""
+    layer_sync = config.layer_sync
+    if isinstance(layer_sync, AccelSyncBatchNorm):
+        layer_sync.apply(module, config.plan.data_groups(layer_sync.group_size))
+    elif layer_sync is not None and not isinstance(layer_sync, TorchSyncBatchNorm):  # (replaced by ours when fitting)
+        layer_sync.apply(module)  # a user's plugin: the checks allowed it only where the data dimension is the world
 
 
 def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule], mesh: DeviceMesh,

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies.sharded._schedules import analytic_bubble
 from lit_accel.utilities._compat import get_layer_sync
 from lit_accel.utilities._validation import check_choice, check_int
@@ -85,11 +87,7 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
             f" predict loops do not go through the pipeline schedule. Fix: run trainer.{evaluating.value}() in a"
             " Trainer whose strategy has no pipeline dimension (AccelParallel(pipeline_parallel=1), AccelFSDP)."
         )
-    if get_layer_sync(strategy) is not None:
-        raise ValueError(
-            f"{owner}: Trainer(sync_batchnorm=True) or a LayerSync plugin, which AccelParallel does not apply yet."
-            " Fix: drop it (BatchNorm statistics then stay per rank)."
-        )
+    _check_layer_sync(owner, get_layer_sync(strategy), layout)
     precision = getattr(strategy.precision_plugin, "precision", None)
     if precision == "fp8-mixed" and layout.tensor > 1:
         raise ValueError(
@@ -99,6 +97,17 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
     if precision == "16-mixed" and not _scaler_ok(strategy.precision_plugin):
         raise ValueError(
             f"{owner}: 16-mixed needs a loss scaler on the precision plugin. Fix: AccelPrecision('16-mixed')."
+        )
+
+
+def _check_layer_sync(owner: str, layer_sync: Any, layout: ParallelLayout) -> None:
+    """A user's own LayerSync synchronises over the world: only where the data dimension is the world."""
+    mixed = layout.pipeline > 1 or layout.tensor > 1
+    if mixed and layer_sync is not None and not isinstance(layer_sync, (AccelSyncBatchNorm, TorchSyncBatchNorm)):
+        raise ValueError(
+            f"{owner}(pipeline_parallel={layout.pipeline}, tensor_parallel={layout.tensor}) with the LayerSync plugin"
+            f" {type(layer_sync).__name__}, which synchronises over the world: a stage's and a tensor shard's peers"
+            " would be mixed in. Fix: AccelSyncBatchNorm() (synchronised over the data dimension), or drop it."
         )
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies.parts import _blocks
 from lit_accel.strategies.parts._backend import check_backend_spec, resolve_backend
 from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
@@ -67,7 +68,8 @@ class AccelParallel(ModelParallelStrategy):
         stages_per_rank: for the interleaved schedules (default 2; the V schedules always hold 2).
         stage_split: ``"auto"`` (the repeated blocks spread evenly) or the unit names where stages 1.. begin.
         tensor_plan: ``"auto"``, ``None`` or a dict module name -> ``"colwise"``/``"rowwise"``/``"sequence"``/style.
-        global_batch_size, micro_batch_size, partial_window, hang_timeout: as for ``AccelFSDP`` (an int
+        global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout: as for ``AccelFSDP``
+            (SyncBatchNorm over each data dimension: the ranks of one pipeline and tensor coordinate; an int
             ``micro_batch_size``; under a pipeline it is the pipeline's micro-batch, and there is no accumulation).
         compile: as for ``AccelFSDP``; each block is compiled after tensor parallelism, before FSDP, on every stage.
         shard_policy, reduce_dtype, activation_checkpointing, cpu_offload: as for ``AccelFSDP``, on every layout and
@@ -101,6 +103,7 @@ class AccelParallel(ModelParallelStrategy):
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
+        sync_batchnorm: bool | AccelSyncBatchNorm = True,
         shard_policy: _blocks.ShardPolicy = "auto",
         reshard_after_forward: bool | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
@@ -132,7 +135,7 @@ class AccelParallel(ModelParallelStrategy):
             timeout=timeout,
         )
         #: The strategy-independent parts (batch plan, exact window, watchdog, resume fixes, compile), called below.
-        self.parts = AccelParts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm=False,
+        self.parts = AccelParts(name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm,
                                 hang_timeout=hang_timeout, compile=compile)  # fmt: skip
         self.state_dict_type = state_dict_type
         self._start_method = start_method
@@ -271,7 +274,8 @@ class AccelParallel(ModelParallelStrategy):
 
     def _build(self, module: pl.LightningModule) -> None:
         name, compiling = type(self).__name__, self.parts.compilation is not None
-        config = BuildConfig(name, self.plan, functools.partial(self.parts.compile_blocks, name) if compiling else None)
+        config = BuildConfig(name, self.plan, functools.partial(self.parts.compile_blocks, name) if compiling else None,
+                             _compat.get_layer_sync(self))  # fmt: skip
         built = build_parallel_model(module, self.device_mesh, self.global_rank, self.root_device,
                                      self.precision_plugin, config)  # fmt: skip
         for root in [*built.fsdp_roots, *built.stages]:

@@ -149,6 +149,20 @@ class ParallelPlan:
         held = tuple(tuple(self.stage_ids(r)) for r in range(self.layout.pipeline))
         return StagePlacement(self.layout.coordinates(rank)[0], held, microbatches)
 
+    def data_groups(self, group_size: int | None = None) -> list[list[int]]:
+        """The ranks of each data dimension (one pipeline and tensor coordinate), in groups of ``group_size``.
+
+        What synchronises BatchNorm statistics: ranks that see different samples, never a stage's or a tensor
+        shard's peers (``None``: the whole data dimension).
+        """
+        layout = self.layout
+        by_coordinate: dict[tuple[int, int], list[int]] = {}
+        for rank in range(layout.world_size):
+            pipeline, _, _, tensor = layout.coordinates(rank)
+            by_coordinate.setdefault((pipeline, tensor), []).append(rank)
+        size = group_size or layout.data
+        return [ranks[i : i + size] for ranks in by_coordinate.values() for i in range(0, len(ranks), size)]
+
     def describe(self) -> str:
         """One line: the layout, and with a pipeline its schedule and stages."""
         text = self.layout.describe()
