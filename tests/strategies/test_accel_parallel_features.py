@@ -133,3 +133,18 @@ def test_a_users_own_layer_sync_is_refused_where_the_world_is_not_the_data_dimen
 
     assert all("Fix: AccelSyncBatchNorm()" in m for m in run_distributed(_fit_with_own_layer_sync, 2,
                                                                          init_process_group=False))  # fmt: skip
+
+
+def _chosen_micro_batch(model: Any, strategy: Any) -> dict[str, Any]:
+    return {"micro_batch_size": strategy.parts.batch_plan.micro_batch_size}
+
+
+def _fit_auto(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return fit_parallel(rank, world, *args, observe=_chosen_micro_batch, **kwargs)
+
+
+def test_auto_micro_batch_with_a_tensor_dimension_equals_one_process():
+    # every rank runs the search's trials in step (the tensor shards' collectives), and all keep one size
+    results = assert_equivalent({"tensor_parallel": 2, "micro_batch_size": "auto"}, world=4, loaded=8, fit=_fit_auto)
+    sizes = {r["micro_batch_size"] for r in results}
+    assert len(sizes) == 1 and 1 <= next(iter(sizes)) <= 8

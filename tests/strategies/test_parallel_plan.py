@@ -94,7 +94,8 @@ def test_a_plan_sized_for_another_world_keeps_every_choice_and_refuses_what_does
         ({"stage_split": "net.2"}, TypeError, r"stage_split='net\.2'\): expected 'auto' or a list .* Fix"),
         ({"reduce_dtype": "bf16"}, TypeError, r"reduce_dtype='bf16'\): expected a torch\.dtype or None\. Fix"),
         ({"context_parallel": 0}, ValueError, r"context_parallel=0\): expected an int >= 1\. Fix"),
-        ({"micro_batch_size": "auto"}, TypeError, r"micro_batch_size='auto'\): expected an int"),
+        ({"pipeline_parallel": 2, "micro_batch_size": "auto"}, ValueError, r"micro_batch_size='auto'\): a pipeline"),
+        ({"micro_batch_size": "big"}, TypeError, r"micro_batch_size='big'\): expected an int"),
     ],
 )  # fmt: skip
 def test_the_strategy_refuses_at_construction_what_its_plan_or_it_cannot_run(kwargs, error, match):

@@ -36,7 +36,8 @@ def check_arguments(
     start_method: object,
 ) -> None:  # fmt: skip
     """The constructor's arguments that are the strategy's, not the plan's, and their combinations with the plan."""
-    check_int(owner, "micro_batch_size", micro_batch_size, allow_none=True, example=4)  # no "auto" yet
+    if micro_batch_size != "auto":
+        check_int(owner, "micro_batch_size", micro_batch_size, allow_none=True, example=4)
     check_choice(owner, "state_dict_type", state_dict_type, ("full", "sharded"), "'sharded'")
     check_choice(owner, "start_method", start_method, ("popen", "spawn"), "'popen'")
     pipeline = plan.layout.pipeline
@@ -44,6 +45,12 @@ def check_arguments(
         raise ValueError(
             f"{owner}(pipeline_parallel={pipeline}, state_dict_type='full'): a full checkpoint is gathered on rank 0,"
             " which holds one stage. Fix: state_dict_type='sharded' (it resumes under any layout)."
+        )
+    if pipeline > 1 and micro_batch_size == "auto":
+        raise ValueError(
+            f"{owner}(pipeline_parallel={pipeline}, micro_batch_size='auto'): a pipeline splits each loaded batch into"
+            " the schedule's micro-batches itself; there is no accumulation to size. Fix: microbatches=N or"
+            " micro_batch_size=N."
         )
     if pipeline > 1 and partial_window != "mean":
         raise ValueError(

@@ -69,8 +69,8 @@ class AccelParallel(ModelParallelStrategy):
         stage_split: ``"auto"`` (the repeated blocks spread evenly) or the unit names where stages 1.. begin.
         tensor_plan: ``"auto"``, ``None`` or a dict module name -> ``"colwise"``/``"rowwise"``/``"sequence"``/style.
         global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout: as for ``AccelFSDP``
-            (SyncBatchNorm over each data dimension: the ranks of one pipeline and tensor coordinate; an int
-            ``micro_batch_size``; under a pipeline it is the pipeline's micro-batch, and there is no accumulation).
+            (SyncBatchNorm over each data dimension: the ranks of one pipeline and tensor coordinate; under a
+            pipeline an int ``micro_batch_size`` is the pipeline's micro-batch, and there is no accumulation).
         compile: as for ``AccelFSDP``; each block is compiled after tensor parallelism, before FSDP, on every stage.
         shard_policy, reduce_dtype, activation_checkpointing, cpu_offload: as for ``AccelFSDP``, on every layout and
             stage. reshard_after_forward: ``None``: not under a pipeline.
@@ -101,7 +101,7 @@ class AccelParallel(ModelParallelStrategy):
         stage_split: Literal["auto"] | Sequence[str] = "auto",
         tensor_plan: TensorPlan = "auto",
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | Literal["auto"] | None = None,
         partial_window: Literal["mean", "lightning"] = "mean",
         sync_batchnorm: bool | AccelSyncBatchNorm = True,
         shard_policy: _blocks.ShardPolicy = "auto",
