@@ -143,17 +143,8 @@ def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule
     blocks = _blocks.find_blocks(owner, module, plan.shard_policy) if wanted else []
     if config.compile_blocks is not None:
         config.compile_blocks(module, blocks)
-    _checkpoint(owner, module, blocks, plan.activation_checkpointing)
+    sharding.checkpoint_blocks(owner, module, blocks, plan.activation_checkpointing)
     return _shard(module, stages, blocks, plan.layout.data_mesh(mesh), config) if shards else []
-
-
-def _checkpoint(owner: str, module: nn.Module, blocks: list[nn.Module], policy: Any) -> None:
-    """Activation checkpointing on ``blocks`` (``True``) or on what ``policy`` selects: before FSDP, as AccelFSDP."""
-    if policy is False:
-        return
-    checkpoint = _compat.composable_checkpoint()
-    for block in blocks if policy is True else _blocks.find_blocks(owner, module, policy, "activation_checkpointing"):
-        checkpoint(block)
 
 
 def _shard(
@@ -161,13 +152,6 @@ def _shard(
     config: BuildConfig,
 ) -> list:  # fmt: skip
     """FSDP over the data dimension: blocks first, then each stage (or each top-level unit) as a root."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-    mp_policy = sharding.mixed_precision_policy(config.plan.param_dtype, config.plan.reduce_dtype)
-    pin = data_mesh.device_type == "cuda"  # pinned host memory needs a CUDA driver
-    offload = CPUOffloadPolicy(pin_memory=pin) if config.plan.cpu_offload else OffloadPolicy()
-    kwargs = dict(reshard_after_forward=config.plan.reshard_after_forward, mp_policy=mp_policy,
-                  offload_policy=offload, checkpointed=[])  # fmt: skip
     if stages:
         roots: list[nn.Module] = list(stages)
     else:
@@ -175,5 +159,5 @@ def _shard(
     for root in roots:
         inside = {id(m) for m in root.modules()}
         own_blocks = [b for b in blocks if id(b) in inside and b is not root]
-        sharding.shard_model(root, data_mesh, own_blocks, **kwargs)
+        sharding.shard_model(root, data_mesh, own_blocks, config.plan)
     return roots

@@ -8,46 +8,50 @@ changes).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
+from lit_accel.strategies.parts._blocks import ShardPolicy, find_blocks
 from lit_accel.utilities._compat import composable_checkpoint
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["mixed_precision_policy", "shard_model"]
+    from lit_accel.strategies.sharded.plan import ParallelPlan
+
+__all__ = ["checkpoint_blocks", "parameter_dtype", "shard_model"]
+
+_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
 
-def shard_model(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    blocks: list[nn.Module],
-    *,
-    reshard_after_forward: bool,
-    mp_policy: Any,
-    offload_policy: Any,
-    checkpointed: list[nn.Module],
-) -> None:
-    """Checkpoint ``checkpointed``, then ``fully_shard`` each block (innermost first) and the root, in place."""
-    from torch.distributed.fsdp import fully_shard
+def parameter_dtype(precision: object) -> torch.dtype | None:
+    """FSDP's compute dtype for the parameters under ``precision`` (a Lightning precision plugin), or None."""
+    return _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
 
+
+def checkpoint_blocks(owner: str, model: nn.Module, blocks: list[nn.Module], policy: bool | ShardPolicy) -> None:
+    """Activation checkpointing on ``blocks`` (``True``) or on what ``policy`` selects, before ``fully_shard``."""
+    if policy is False:
+        return
     checkpoint = composable_checkpoint()
-    for module in checkpointed:
-        checkpoint(module)
-    kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for block in blocks if policy is True else find_blocks(owner, model, policy, "activation_checkpointing"):
+        checkpoint(block)
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], plan: ParallelPlan) -> None:
+    """``fully_shard`` each block (innermost first) and then ``model``, in place, with the plan's policies."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    pin = mesh.device_type == "cuda"  # pinned host memory needs a CUDA driver
+    reduce_dtype = plan.reduce_dtype if plan.param_dtype else None
+    mp_policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=pin) if plan.cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=mesh, offload_policy=offload, reshard_after_forward=plan.reshard_after_forward)
     for block in reversed(blocks):
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(block, mp_policy=mp_policy, **kwargs)
     # The root's forward hooks see a step's (batch, batch_idx): autocast casts what the root's own layers compute
     # on, so casting the batch (float targets included) to the compute dtype there would only lose precision.
-    kwargs["mp_policy"] = dataclasses.replace(mp_policy, cast_forward_inputs=False)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
-
-
-def mixed_precision_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> Any:
-    """FSDP2's policy: parameters cast to ``param_dtype`` for compute, gradients reduced in ``reduce_dtype``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
+    fully_shard(model, mp_policy=dataclasses.replace(mp_policy, cast_forward_inputs=False), **kwargs)

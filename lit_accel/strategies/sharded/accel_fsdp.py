@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -20,6 +19,7 @@ from lit_accel.strategies.parts._backend import check_backend_spec, resolve_back
 from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
 from lit_accel.strategies.sharded._fsdp_comm import FSDPCommStats, GradientSync, install_counting_comms
+from lit_accel.strategies.sharded.plan import ParallelPlan
 from lit_accel.utilities import _compat
 from lit_accel.utilities._validation import check_bool, check_choice
 
@@ -41,7 +41,6 @@ _START_METHODS = {
 }
 _DDP_ONLY = ("static_graph", "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "comm_hook",
              "ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")  # fmt: skip
-_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
 
 class _RootCalls(ModelParallelStrategy):
@@ -145,13 +144,12 @@ class AccelFSDP(_RootCalls):
         check_backend_spec(name, process_group_backend)
         check_choice(name, "start_method", start_method, ("popen", "spawn", "fork", "forkserver"), "'popen'")
         check_choice(name, "state_dict_type", state_dict_type, ("full", "sharded"), "'full'")
-        for flag, value in (("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload)):
-            check_bool(name, flag, value)
-        _blocks.check_policy(name, "shard_policy", shard_policy)
-        if activation_checkpointing is not False and activation_checkpointing is not True:
-            _blocks.check_policy(name, "activation_checkpointing", activation_checkpointing)
-        if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
-            raise TypeError(f"{name}(reduce_dtype={reduce_dtype!r}): expected a torch.dtype. Fix: torch.float32.")
+        check_bool(name, "reshard_after_forward", reshard_after_forward)
+        # The sharded family's plan (pipeline and tensor sizes 1), checked by name here and sized at setup.
+        self._plan = ParallelPlan.build(
+            name, None, shard_policy=shard_policy, reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype, activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+        )  # fmt: skip
         super().__init__(
             save_distributed_checkpoint=state_dict_type == "sharded",
             process_group_backend=process_group_backend,
@@ -162,21 +160,46 @@ class AccelFSDP(_RootCalls):
             name, global_batch_size, micro_batch_size, partial_window, sync_batchnorm, hang_timeout, compile
         )
         self._start_method = start_method
-        self.shard_policy = shard_policy
-        self.reshard_after_forward = reshard_after_forward
-        self.reduce_dtype = reduce_dtype
-        self.cpu_offload = cpu_offload
-        self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
         self._comm_stats = FSDPCommStats()
         self._sync = GradientSync()  # FSDP's gradient reduction, off for a window's non-final micro-batches
         #: The modules ``fully_shard`` was applied to by this strategy (empty when ``configure_model`` sharded).
         self.sharded_modules: list[torch.nn.Module] = []
 
+    @property
+    def plan(self) -> ParallelPlan:
+        """The sharding choices (``ParallelPlan``: pipeline and tensor sizes 1), for this world from setup on."""
+        return self._plan
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(cls, _START_METHODS, strategy_registry)
+
+    @property
+    def shard_policy(self) -> _blocks.ShardPolicy:
+        """The blocks ``fully_shard`` is applied to (``plan.shard_policy``)."""
+        return self._plan.shard_policy
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """ZeRO-3 (``True``) or gathered parameters kept to backward (``plan.reshard_after_forward``)."""
+        return self._plan.reshard_after_forward
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The gradient reduce-scatter's dtype under mixed precision (``plan.reduce_dtype``)."""
+        return self._plan.reduce_dtype
+
+    @property
+    def cpu_offload(self) -> bool:
+        """Parameters, gradients and optimizer state on the CPU (``plan.cpu_offload``)."""
+        return self._plan.cpu_offload
+
+    @property
+    def activation_checkpointing(self) -> bool | _blocks.ShardPolicy:
+        """What recomputes its activations in backward (``plan.activation_checkpointing``)."""
+        return self._plan.activation_checkpointing
 
     @property
     def comm_stats(self) -> CommStats:
@@ -204,11 +227,13 @@ class AccelFSDP(_RootCalls):
 
     @override
     def setup_environment(self) -> None:
+        name, world = type(self).__name__, self.num_nodes * self.num_processes
         self._process_group_backend = resolve_backend(
-            type(self).__name__, self._process_group_backend, self.root_device, cpu_collectives=self.cpu_offload
+            name, self._process_group_backend, self.root_device, cpu_collectives=self.cpu_offload
         )
+        self._plan = self._plan.for_world(name, world, param_dtype=sharding.parameter_dtype(self.precision_plugin))
         # One data-parallel dimension over every rank (Lightning's "auto" would be one rank per node).
-        _compat.set_model_parallel_sizes(self, self.num_nodes * self.num_processes, 1)
+        _compat.set_model_parallel_sizes(self, world, 1)
         super().setup_environment()
 
     @override
@@ -236,28 +261,12 @@ class AccelFSDP(_RootCalls):
         return model
 
     def _shard(self, model: torch.nn.Module) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        name = type(self).__name__
-        blocks = _blocks.find_blocks(name, model, self.shard_policy)
-        ac = self.activation_checkpointing
-        if isinstance(ac, bool):
-            checkpointed = blocks if ac else []
-        else:
-            checkpointed = _blocks.find_blocks(name, model, ac, "activation_checkpointing")
-        precision = self.precision_plugin
-        param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
-        pin = self.root_device.type == "cuda"  # pinned host memory needs a CUDA driver
+        name, plan = type(self).__name__, self._plan
+        blocks = _blocks.find_blocks(name, model, plan.shard_policy)
         self.parts.compile_blocks(name, model, blocks)  # per block, before fully_shard (torchtitan's order)
-        sharding.shard_model(
-            model,
-            self.device_mesh["data_parallel"],  # 1-D: a 2-D mesh would make fully_shard replicate (HSDP)
-            blocks,
-            reshard_after_forward=self.reshard_after_forward,
-            mp_policy=sharding.mixed_precision_policy(param_dtype, self.reduce_dtype),
-            offload_policy=CPUOffloadPolicy(pin_memory=pin) if self.cpu_offload else OffloadPolicy(),
-            checkpointed=checkpointed,
-        )
+        sharding.checkpoint_blocks(name, model, blocks, plan.activation_checkpointing)
+        # 1-D: a 2-D mesh would make fully_shard replicate (HSDP)
+        sharding.shard_model(model, self.device_mesh["data_parallel"], blocks, plan)
         self.sharded_modules = [*blocks, model]
 
     @contextmanager

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -21,6 +20,7 @@ from lit_accel.strategies.parts import _blocks
 from lit_accel.strategies.parts._backend import check_backend_spec, resolve_backend
 from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.strategies.sharded import _checks, _gradients
+from lit_accel.strategies.sharded import _fsdp_sharding as sharding
 from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, build_parallel_model
 from lit_accel.strategies.sharded._fsdp_comm import GradientSync, install_counting_comms
 from lit_accel.strategies.sharded._layout import ParallelLayout
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["AccelParallel"]
 
 _START_METHODS = {"accel_parallel": "popen", "accel_parallel_spawn": "spawn"}
-_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
 
 @serves_parts_attributes
@@ -230,8 +229,7 @@ class AccelParallel(ModelParallelStrategy):
         self._process_group_backend = resolve_backend(name, self._process_group_backend, self.root_device,
                                                       cpu_collectives=self._plan.cpu_offload)  # fmt: skip
         world, precision = self.num_nodes * self.num_processes, self.precision_plugin
-        param_dtype = _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
-        self._plan = self._plan.for_world(name, world, param_dtype=param_dtype)
+        self._plan = self._plan.for_world(name, world, param_dtype=sharding.parameter_dtype(precision))
         layout = self._plan.layout
         _checks.check_environment(name, self._plan, self.root_device)
         self._comm_stats.data = layout.data  # the FSDP groups' size, for the ring bytes
