@@ -176,7 +176,9 @@ def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples
                  **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """One rank of an AccelParallel fit; each data-parallel replica loads ``loaded`` samples per step.
 
-    ``observe(model, strategy)``: a dict of what else to return, read after the fit.
+    ``observe(model, strategy)``: a dict of what else to return, read after the fit. With
+    ``use_distributed_sampler=True`` the loader is shuffled and Lightning gives it its own ``DistributedSampler``
+    (over the strategy's ``distributed_sampler_kwargs``), as in a user's script.
     """
     from lit_accel import AccelParallel
 
@@ -186,12 +188,15 @@ def fit_parallel(rank: int, world: int, strategy_kwargs: dict[str, Any], samples
     layout = strategy.plan.for_world("test", world).layout
     data = make_data(samples)
     sampler = DistributedSampler(data, layout.data, layout.data_rank(rank), shuffle=False)
+    lightnings = trainer_kwargs.get("use_distributed_sampler", False)
     recorder = GradRecorder()
     kwargs = small_trainer_kwargs(devices=world, max_steps=steps, max_epochs=-1, use_distributed_sampler=False)
     kwargs.update(trainer_kwargs)
     kwargs["callbacks"] = [recorder, *kwargs.get("callbacks", [])]
     trainer = pl.Trainer(strategy=strategy, **kwargs)
-    trainer.fit(model, DataLoader(data, batch_size=loaded, sampler=sampler))
+    # shuffled, Lightning adds its own sampler; else the replica's part in order
+    loader = DataLoader(data, batch_size=loaded, shuffle=lightnings, sampler=None if lightnings else sampler)
+    trainer.fit(model, loader)
     result = _result(trainer, model, recorder)
     counters = ("rounds", "reduce_scatters", "all_gathers", "p2p_sends", "p2p_bytes")
     result["comm"] = {k: getattr(strategy.comm_stats, k) for k in counters}

@@ -33,17 +33,18 @@ STEPS = 3
 def assert_equivalent(strategy_kwargs: dict[str, Any], world: int, loaded: int, depth: int = 4, samples: int = 64,
                       reference_batch: int | None = None, compare_grads: bool = True, fit: Any = fit_parallel,
                       make_model: Any = PipeModel, make_data: Any = dataset, atol: float = ATOL,
-                      **trainer_kwargs: Any) -> list[dict[str, Any]]:  # fmt: skip
+                      shuffle_seed: int | None = None, **trainer_kwargs: Any) -> list[dict[str, Any]]:  # fmt: skip
     """Run the layout and the one-process reference; assert gradients, parameters and momentum agree.
 
     ``compare_grads=False`` when clipping: Lightning's callbacks see the reference's gradients before it clips.
-    ``fit``: ``fit_parallel`` or a function that calls it and adds to its result.
+    ``fit``: ``fit_parallel`` or a function that calls it and adds to its result. ``shuffle_seed``: the reference's
+    batches drawn as a seeded ``DistributedSampler`` shuffles (as Lightning's own sampler does in the layout).
     """
     make_model = functools.partial(make_model, depth=depth)
     replicas = world // (strategy_kwargs.get("pipeline_parallel", 1) * strategy_kwargs.get("tensor_parallel", 1))
     global_batch = reference_batch or loaded * replicas
     data = {"make_model": make_model, "make_data": make_data}
-    reference = fit_reference(samples, global_batch, STEPS, **data, **trainer_kwargs)
+    reference = fit_reference(samples, global_batch, STEPS, **data, shuffle_seed=shuffle_seed, **trainer_kwargs)
     results = run_distributed(
         fit, world, strategy_kwargs, samples, loaded, STEPS, **data, init_process_group=False, timeout=300,
         **trainer_kwargs,
@@ -105,6 +106,16 @@ def test_timms_vit_in_a_layout_equals_one_process(layout):
     strategy_kwargs, world = LAYOUTS[layout]
     assert_equivalent(strategy_kwargs, world, loaded=4, depth=2, samples=32, make_model=TimmViT,
                       make_data=image_dataset, atol=1e-5)  # fmt: skip
+
+
+# issue #49: with Lightning's own DistributedSampler (shuffled, seed 0, over the data dimension) each step's batches
+# together are the reference's shuffled global batch
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2xtp2", "pp2xdp2"])
+def test_timms_vit_with_lightnings_own_sampler_equals_one_process(layout):
+    strategy_kwargs, world = LAYOUTS[layout]
+    assert_equivalent(strategy_kwargs, world, loaded=4, depth=2, samples=32, make_model=TimmViT,
+                      make_data=image_dataset, atol=1e-5, shuffle_seed=0, use_distributed_sampler=True)  # fmt: skip
 
 
 def with_torch(schedule: str) -> Any:
