@@ -136,15 +136,23 @@ def test_a_users_own_layer_sync_is_refused_where_the_world_is_not_the_data_dimen
 
 
 def _chosen_micro_batch(model: Any, strategy: Any) -> dict[str, Any]:
-    return {"micro_batch_size": strategy.parts.batch_plan.micro_batch_size}
+    probed = any(not trial.whole for trial in strategy.parts.micro.search_log.trials)  # an attempt's first run
+    return {"micro_batch_size": strategy.parts.batch_plan.micro_batch_size, "probed": probed}
 
 
 def _fit_auto(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return fit_parallel(rank, world, *args, observe=_chosen_micro_batch, **kwargs)
 
 
-def test_auto_micro_batch_with_a_tensor_dimension_equals_one_process():
-    # every rank runs the search's trials in step (the tensor shards' collectives), and all keep one size
-    results = assert_equivalent({"tensor_parallel": 2, "micro_batch_size": "auto"}, world=4, loaded=8, fit=_fit_auto)
+@pytest.mark.parametrize(("layout", "world", "attempts"), [({"tensor_parallel": 2}, 4, False), ({}, 2, True)],
+                         ids=["dp2xtp2", "dp2"])  # fmt: skip
+def test_auto_micro_batch_equals_one_process(layout, world, attempts):
+    # With a tensor dimension every rank runs the search's trials in step (the shards' collectives); with only FSDP's
+    # the attempts run with every parameter gathered (as AccelFSDP's: a probe first). All ranks keep one size.
+    results = assert_equivalent({**layout, "micro_batch_size": "auto"}, world=world, loaded=8, fit=_fit_auto)
     sizes = {r["micro_batch_size"] for r in results}
     assert len(sizes) == 1 and 1 <= next(iter(sizes)) <= 8
+    from torch.distributed.fsdp import FSDPModule
+
+    recoverable = hasattr(FSDPModule, "reset_iter_state")  # torch >= 2.14: attempts; before: trials, as AccelFSDP's
+    assert {r["probed"] for r in results} == {attempts and recoverable}

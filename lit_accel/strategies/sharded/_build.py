@@ -64,6 +64,8 @@ class ParallelModel:
     stage_starts: list[int] = dataclasses.field(default_factory=list)
     #: the tensor plan's check against the unsharded model (armed for the first training forward), with a plan
     plan_check: PlanCheck | None = None
+    #: the modules ``fully_shard`` was applied to, in that order (each root's blocks, then the root)
+    sharded: list[nn.Module] = dataclasses.field(default_factory=list)
 
 
 def _check_loose(owner: str, module: nn.Module, layout: ParallelLayout) -> None:
@@ -117,8 +119,8 @@ def build_parallel_model(
     stages = [
         _stages.StageModule(sid, [(name, module.get_submodule(name)) for name in names]) for sid, names in owned.items()
     ]
-    roots = _wrap_blocks(owner, module, stages, mesh, config)
-    return ParallelModel(stages, roots, tensor_modules, num_stages, starts, plan_check)
+    roots, sharded = _wrap_blocks(owner, module, stages, mesh, config)
+    return ParallelModel(stages, roots, tensor_modules, num_stages, starts, plan_check, sharded)
 
 
 def _sync_layers(module: nn.Module, config: BuildConfig) -> None:
@@ -131,8 +133,8 @@ def _sync_layers(module: nn.Module, config: BuildConfig) -> None:
 
 
 def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule], mesh: DeviceMesh,
-                 config: BuildConfig) -> list[nn.Module]:  # fmt: skip
-    """This rank's blocks compiled, checkpointed and sharded (in that order); the FSDP roots returned."""
+                 config: BuildConfig) -> tuple[list[nn.Module], list[nn.Module]]:  # fmt: skip
+    """This rank's blocks compiled, checkpointed and sharded (in that order): (FSDP roots, every sharded module)."""
     plan = config.plan
     # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
     # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call. Offloading is
@@ -144,20 +146,22 @@ def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule
     if config.compile_blocks is not None:
         config.compile_blocks(module, blocks)
     sharding.checkpoint_blocks(owner, module, blocks, plan.activation_checkpointing)
-    return _shard(module, stages, blocks, plan.layout.data_mesh(mesh), config) if shards else []
+    return _shard(module, stages, blocks, plan.layout.data_mesh(mesh), config) if shards else ([], [])
 
 
 def _shard(
     module: nn.Module, stages: list[_stages.StageModule], blocks: list[nn.Module], data_mesh: DeviceMesh,
     config: BuildConfig,
-) -> list:  # fmt: skip
+) -> tuple[list[nn.Module], list[nn.Module]]:  # fmt: skip
     """FSDP over the data dimension: blocks first, then each stage (or each top-level unit) as a root."""
     if stages:
         roots: list[nn.Module] = list(stages)
     else:
         roots = [unit for _, unit in _stages.pipeline_units(module) if any(True for _ in unit.parameters())]
+    sharded: list[nn.Module] = []
     for root in roots:
         inside = {id(m) for m in root.modules()}
         own_blocks = [b for b in blocks if id(b) in inside and b is not root]
         sharding.shard_model(root, data_mesh, own_blocks, config.plan)
-    return roots
+        sharded += [*own_blocks, root]
+    return roots, sharded

@@ -19,8 +19,8 @@ passes of an accumulation window (Lightning's ``block_backward_sync``) and on fo
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +33,7 @@ from lit_accel.utilities._torch_fallbacks import all_gather_single, reduce_scatt
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["FSDPCommStats", "GradientSync", "install_counting_comms"]
+__all__ = ["FSDPCommStats", "GradientSync", "gathered_attempts", "install_counting_comms"]
 
 _AllGather, _ReduceScatter = fsdp_comm_base_classes()
 _MAX_ROUNDS = 4096  # rounds kept for pop_exposed_s before the completed ones are folded into a number
@@ -188,3 +188,42 @@ class GradientSync:
             self.blocked = on
             for module in self.roots:
                 module.set_requires_gradient_sync(not on)
+
+
+def gathered_attempts(
+    modules: list[torch.nn.Module], sync: GradientSync, reshard_after_forward: bool
+) -> AbstractContextManager[Callable[[], None]] | None:
+    """``"auto"``'s attempts without collectives, or None where the roots cannot recover a cut one (torch < 2.14).
+
+    ``modules`` (those ``fully_shard`` was applied to, in that order) stay gathered and no gradient is reduced inside.
+    """
+    roots = sync.roots
+    if not roots or not modules or not all(callable(getattr(root, "reset_iter_state", None)) for root in roots):
+        return None
+    return _gathered(modules, roots, reshard_after_forward, sync)
+
+
+@contextmanager
+def _gathered(
+    modules: list[torch.nn.Module], roots: list[Any], reshard_after_forward: bool, sync: GradientSync
+) -> Generator[Callable[[], None], None, None]:
+    """Every FSDP module's parameters gathered and kept so, gradients unreduced; resharded and restored after."""
+
+    def gather() -> None:
+        for root in roots:
+            root.reset_iter_state()  # an attempt cut short leaves FSDP mid-iteration: its documented recovery
+        for module in modules:
+            module.unshard()  # (the same all-gathers on every rank, in the order of ``modules``)
+
+    gather()
+    for root in roots:
+        root.set_reshard_after_forward(False)
+        root.set_reshard_after_backward(False)
+    try:
+        with sync.switched(False):
+            yield gather
+    finally:
+        for root in roots:
+            root.set_reshard_after_forward(reshard_after_forward)
+            root.set_reshard_after_backward(True)
+            root.reset_iter_state()  # resharded, and no accumulated gradient left behind

@@ -9,7 +9,7 @@ reductions, per optimizer step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lit_accel.strategies.parts.batch_plan import BatchPlan
+    from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["check_no_accumulation", "pipeline_micro_batches"]
+__all__ = ["check_no_accumulation", "pipeline_micro_batches", "pipeline_split"]
 
 
 def pipeline_micro_batches(microbatches: int | None, micro_batch_size: object, num_stages: int) -> int | None:
@@ -26,6 +27,14 @@ def pipeline_micro_batches(microbatches: int | None, micro_batch_size: object, n
     if microbatches is not None or micro_batch_size is not None:
         return microbatches
     return 2 * num_stages
+
+
+def pipeline_split(plan: ParallelPlan, micro_batch_size: object) -> dict[str, Any]:
+    """``AccelParts.setup``'s keywords: a pipeline splits each batch itself into its planned count; else none."""
+    if plan.layout.pipeline == 1:
+        return {}
+    return {"splits_batches": True, "micro_batches": pipeline_micro_batches(plan.microbatches, micro_batch_size,
+                                                                           plan.num_stages)}  # fmt: skip
 
 
 def check_no_accumulation(owner: str, trainer: pl.Trainer, plan: BatchPlan | None) -> None:

@@ -18,7 +18,12 @@ from lit_accel.strategies.parts import _blocks
 from lit_accel.strategies.parts._backend import check_backend_spec, resolve_backend
 from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
-from lit_accel.strategies.sharded._fsdp_comm import FSDPCommStats, GradientSync, install_counting_comms
+from lit_accel.strategies.sharded._fsdp_comm import (
+    FSDPCommStats,
+    GradientSync,
+    gathered_attempts,
+    install_counting_comms,
+)
 from lit_accel.strategies.sharded.plan import ParallelPlan
 from lit_accel.utilities import _compat
 from lit_accel.utilities._validation import check_bool, check_choice
@@ -293,12 +298,8 @@ class AccelFSDP(_RootCalls):
         ``FSDPModule.reset_iter_state`` (torch >= 2.14), a model this strategy sharded (whose settings it restores)
         and no other collective in the forward (SyncBatchNorm, a LayerSync plugin).
         """
-        roots = self._sync.roots
-        if not roots or not self.sharded_modules or self.parts.forward_collective(self) is not None:
-            return None
-        if not all(callable(getattr(root, "reset_iter_state", None)) for root in roots):
-            return None
-        return _gathered(self.sharded_modules, roots, self.reshard_after_forward, self._sync)
+        other = not self.sharded_modules or self.parts.forward_collective(self) is not None
+        return None if other else gathered_attempts(self.sharded_modules, self._sync, self.reshard_after_forward)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -349,29 +350,3 @@ def _top_fsdp_modules(model: torch.nn.Module) -> list[Any]:
         if isinstance(module, FSDPModule) and not inside:
             found.append(module)
     return found
-
-
-@contextmanager
-def _gathered(
-    modules: list[torch.nn.Module], roots: list[Any], reshard_after_forward: bool, sync: GradientSync
-) -> Generator[Callable[[], None], None, None]:
-    """Every FSDP module's parameters gathered and kept so, gradients unreduced; resharded and restored after."""
-
-    def gather() -> None:
-        for root in roots:
-            root.reset_iter_state()  # an attempt cut short leaves FSDP mid-iteration: its documented recovery
-        for module in modules:
-            module.unshard()  # (the same all-gathers on every rank, in the order of ``modules``)
-
-    gather()
-    for root in roots:
-        root.set_reshard_after_forward(False)
-        root.set_reshard_after_backward(False)
-    try:
-        with sync.switched(False):
-            yield gather
-    finally:
-        for root in roots:
-            root.set_reshard_after_forward(reshard_after_forward)
-            root.set_reshard_after_backward(True)
-            root.reset_iter_state()  # resharded, and no accumulated gradient left behind

@@ -22,10 +22,10 @@ from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, s
 from lit_accel.strategies.sharded import _checks, _gradients
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
 from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, build_parallel_model
-from lit_accel.strategies.sharded._fsdp_comm import GradientSync, install_counting_comms
+from lit_accel.strategies.sharded._fsdp_comm import GradientSync, gathered_attempts, install_counting_comms
 from lit_accel.strategies.sharded._layout import ParallelLayout
 from lit_accel.strategies.sharded._pipeline import PipelineRunner
-from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, pipeline_micro_batches
+from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, pipeline_split
 from lit_accel.strategies.sharded._plan_check import PlanCheck
 from lit_accel.strategies.sharded._schedules import ScheduleName
 from lit_accel.strategies.sharded._stage import ParallelCommStats
@@ -246,7 +246,8 @@ class AccelParallel(ModelParallelStrategy):
         _checks.check_model(name, self, module, layout)
         # Agreed over the world (data_parallel_size is the mesh's data dimension): a replica's stages and shards load
         # the same batches too, and the world needs no flattened sub-mesh group.
-        plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **self._batch_split())
+        split = pipeline_split(self.plan, self.parts.planner.micro_batch_size)
+        plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **split)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and layout.pipeline > 1:
             check_no_accumulation(name, trainer, plan)
@@ -261,14 +262,6 @@ class AccelParallel(ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-
-    def _batch_split(self) -> dict[str, Any]:
-        """A pipeline runs equal micro-batches itself (its count planned); without one, AccelParts' micro-batching."""
-        if self.plan.layout.pipeline == 1:
-            return {}
-        plan = self.plan
-        count = pipeline_micro_batches(plan.microbatches, self.parts.planner.micro_batch_size, plan.num_stages)
-        return {"splits_batches": True, "micro_batches": count}
 
     def _build(self, module: pl.LightningModule) -> None:
         name, compiling = type(self).__name__, self.parts.compilation is not None
@@ -380,6 +373,13 @@ class AccelParallel(ModelParallelStrategy):
     def forward_collective(self) -> str | None:
         """What makes a collective in the model's forward: FSDP's all-gathers (and TP's), when sharded."""
         return "FSDP's all-gathers" if self._sync.roots else None
+
+    def without_collectives(self) -> AbstractContextManager[Callable[[], None]] | None:
+        """``"auto"``'s attempts with every parameter gathered (as AccelFSDP's), where only FSDP makes collectives."""
+        built, layout = self._built, self.layout
+        other = layout.tensor > 1 or layout.pipeline > 1 or self.parts.forward_collective(self) is not None
+        sharded = [] if built is None or other else built.sharded
+        return gathered_attempts(sharded, self._sync, self.plan.reshard_after_forward)
 
     @override
     def teardown(self) -> None:
