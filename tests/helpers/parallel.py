@@ -130,6 +130,26 @@ class TimmViT(PipelineLoss, pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class TorchvisionResNet(PipelineLoss, pl.LightningModule):
+    """torchvision's ``resnet18`` as its library defines it (BatchNorm in every block), SGD with momentum."""
+
+    def __init__(self, depth: int = 0, lr: float = 0.1) -> None:  # depth: assert_equivalent's knob, unused
+        super().__init__()
+        from torchvision.models import resnet18
+
+        self.lr = lr
+        self.net = resnet18(num_classes=OUT)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.net(images)
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(output.float(), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
 def full(value: Tensor) -> Tensor:
     """A full CPU copy (a collective over its mesh for a DTensor: call it on every rank)."""
     from torch.distributed.tensor import DTensor

@@ -19,22 +19,16 @@ if TYPE_CHECKING:
     from lit_accel.strategies.parts.batch_plan import BatchPlan
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["check_no_accumulation", "pipeline_micro_batches", "pipeline_split"]
-
-
-def pipeline_micro_batches(microbatches: int | None, micro_batch_size: object, num_stages: int) -> int | None:
-    """The count to plan with: ``microbatches``, else ``None`` if ``micro_batch_size`` splits, else 2 x stages."""
-    if microbatches is not None or micro_batch_size is not None:
-        return microbatches
-    return 2 * num_stages
+__all__ = ["check_no_accumulation", "pipeline_split"]
 
 
 def pipeline_split(plan: ParallelPlan, micro_batch_size: object) -> dict[str, Any]:
     """``AccelParts.setup``'s keywords: a pipeline splits each batch itself into its planned count; else none."""
     if plan.layout.pipeline == 1:
         return {}
-    return {"splits_batches": True, "micro_batches": pipeline_micro_batches(plan.microbatches, micro_batch_size,
-                                                                           plan.num_stages)}  # fmt: skip
+    # the given count; else None where micro_batch_size splits; else twice the stages
+    count = plan.microbatches if plan.microbatches is not None or micro_batch_size is not None else 2 * plan.num_stages
+    return {"splits_batches": True, "micro_batches": count}
 
 
 def check_no_accumulation(owner: str, trainer: pl.Trainer, plan: BatchPlan | None) -> None:
