@@ -130,6 +130,58 @@ class TimmViT(PipelineLoss, pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class TorchvisionViTEmbed(nn.Module):
+    """What torchvision's ``VisionTransformer.forward`` runs before its encoder's layers, folded into one pipeline
+    unit: the patches (``_process_input``), the class token, the position embedding and the encoder's dropout."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.conv_proj, self.class_token = vit.conv_proj, vit.class_token
+        self.pos_embedding, self.dropout = vit.encoder.pos_embedding, vit.encoder.dropout
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.conv_proj(images).flatten(2).permute(0, 2, 1)  # (n, patches, hidden), as _process_input
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.dropout(x + self.pos_embedding)
+
+
+class TorchvisionViTHead(nn.Module):
+    """What torchvision's ViT runs after its encoder's layers: the encoder's ``ln``, the class token, ``heads``."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.ln, self.heads = vit.encoder.ln, vit.heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.heads(self.ln(x)[:, 0])
+
+
+class TorchvisionViT(PipelineLoss, pl.LightningModule):
+    """torchvision's ``VisionTransformer`` with the pipeline units docs/strategies.md asks for: ``embed``, its own
+    ``encoder.layers`` as ``blocks``, ``head``; the same weights as ``self.vit_forward``'s model, same output."""
+
+    def __init__(
+        self, depth: int = 2, lr: float = 0.1, image: int = VIT_IMAGE, width: int = 16, heads: int = 2
+    ) -> None:
+        super().__init__()
+        from torchvision.models import VisionTransformer
+
+        self.lr = lr
+        vit = VisionTransformer(image_size=image, patch_size=4, num_layers=depth, num_heads=heads, hidden_dim=width,
+                                mlp_dim=2 * width, num_classes=OUT)  # fmt: skip
+        self.embed, self.blocks, self.head = TorchvisionViTEmbed(vit), vit.encoder.layers, TorchvisionViTHead(vit)
+        self.vit_forward = vit.forward  # torchvision's own forward on these very modules (not registered: no unit)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.head(self.blocks(self.embed(images)))
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(output.float(), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
 class TorchvisionResNet(PipelineLoss, pl.LightningModule):
     """torchvision's ``resnet18`` as its library defines it (BatchNorm in every block), SGD with momentum."""
 

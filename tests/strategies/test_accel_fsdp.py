@@ -111,6 +111,25 @@ def test_fsdp_equals_one_process_on_the_joint_batch_and_accel_ddp(world):
     assert moved > 1e-2  # the comparison is between trained weights
 
 
+def _hsdp(rank: int, world: int) -> dict[str, Any]:
+    models: list[nn.Module] = []
+
+    def make_model() -> nn.Module:
+        models.append(BNModel(batchnorm=False))
+        return models[-1]
+
+    run = _fit(rank, world, AccelFSDP(global_batch_size=32, data_replicate=2), STEPS, make_model)
+    run["placements"] = [str(p) for p in next(models[0].parameters()).placements]
+    return run
+
+
+def test_hsdp_replicated_over_two_groups_and_sharded_within_equals_one_process():
+    for run in run_distributed(_hsdp, 4, init_process_group=False, timeout=240):
+        _close(run["state"], _reference(4, 32, STEPS))
+        assert run["placements"] == ["R", "S(0)"]  # HSDP: a 2-D mesh (replicate, shard)
+        assert run["steps"] == STEPS
+
+
 def _accumulation_4(rank: int, world: int) -> dict[str, Any]:
     return _fit(rank, world, AccelFSDP(global_batch_size=2 * MICRO * 4), 3, limit_train_batches=8)
 

@@ -44,6 +44,15 @@ def test_policies_pick_the_blocks_of_a_vit_a_resnet_and_by_size():
     assert [type(b).__name__ for b in find_blocks("AccelFSDP", vit, "auto")] == ["Block"] * 3
     resnet = timm.create_model("resnet18", num_classes=10)
     assert {type(b).__name__ for b in find_blocks("AccelFSDP", resnet, "auto")} == {"BasicBlock"}
+    # torchvision's ViT: the EncoderBlock, not the Linear its Sequential MLP repeats twice as often; and never the
+    # out_proj of an nn.MultiheadAttention, which reads its weight without calling it (FSDP would never gather it)
+    from torchvision.models import VisionTransformer
+
+    tv = VisionTransformer(image_size=8, patch_size=4, num_layers=3, num_heads=2, hidden_dim=16, mlp_dim=32)
+    assert [type(b).__name__ for b in find_blocks("AccelFSDP", tv, "auto")] == ["EncoderBlock"] * 3
+    linears = find_blocks("AccelFSDP", tv, nn.Linear)
+    assert len(linears) == 3 * 2 + 1 and not any(isinstance(b, nn.modules.linear.NonDynamicallyQuantizableLinear)
+                                                 for b in linears)  # fmt: skip
     sized = find_blocks("AccelFSDP", vit, 30_000)  # every smallest subtree with 30k free parameters
     assert sized and all(sum(p.numel() for p in b.parameters()) >= 30_000 for b in sized)
     assert find_blocks("AccelFSDP", vit, lambda m: isinstance(m, nn.LayerNorm))  # a callable

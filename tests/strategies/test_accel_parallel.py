@@ -19,6 +19,7 @@ from tests.helpers.parallel import (
     Block,
     PipeModel,
     TimmViT,
+    TorchvisionViT,
     dataset,
     fit_parallel,
     fit_reference,
@@ -89,10 +90,12 @@ def test_layout_equals_one_process(layout):
     assert_equivalent(strategy_kwargs, world, loaded=8)
 
 
-def test_timms_vit_with_its_units_is_timms_own_forward():
-    """The units TimmViT gives the pipeline (docs/strategies.md: the embedding folded into one) are timm's model."""
+@pytest.mark.parametrize("make_model", [TimmViT, TorchvisionViT], ids=["timm", "torchvision"])
+def test_a_libraries_vit_with_its_units_is_its_own_forward(make_model):
+    """The units a library's ViT gives the pipeline (docs/strategies.md: embedding and head folded into one unit
+    each) are the library's model: its own forward on the same modules gives the same output, to the bit."""
     pl.seed_everything(0, verbose=False)
-    model = TimmViT().eval()
+    model = make_model().eval()
     images = image_dataset(4).tensors[0]
     with torch.no_grad():
         torch.testing.assert_close(model(images), model.vit_forward(images), atol=0, rtol=0)
@@ -108,13 +111,15 @@ def test_timms_vit_in_a_layout_equals_one_process(layout):
                       make_data=image_dataset, atol=1e-5)  # fmt: skip
 
 
-# issue #49: with Lightning's own DistributedSampler (shuffled, seed 0, over the data dimension) each step's batches
-# together are the reference's shuffled global batch
+# issue #49: two libraries' models (timm's VisionTransformer; torchvision's, whose nn.MultiheadAttention stays
+# replicated while tensor_plan="auto" splits each MLPBlock) with Lightning's own DistributedSampler (shuffled, seed 0,
+# over the data dimension): each step's batches together are the reference's shuffled global batch, within 1e-5
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2xtp2", "pp2xdp2"])
-def test_timms_vit_with_lightnings_own_sampler_equals_one_process(layout):
+@pytest.mark.parametrize("make_model", [TimmViT, TorchvisionViT], ids=["timm", "torchvision"])
+def test_a_libraries_vit_with_lightnings_own_sampler_equals_one_process(make_model, layout):
     strategy_kwargs, world = LAYOUTS[layout]
-    assert_equivalent(strategy_kwargs, world, loaded=4, depth=2, samples=32, make_model=TimmViT,
+    assert_equivalent(strategy_kwargs, world, loaded=4, depth=2, samples=32, make_model=make_model,
                       make_data=image_dataset, atol=1e-5, shuffle_seed=0, use_distributed_sampler=True)  # fmt: skip
 
 

@@ -86,12 +86,18 @@ class _BatchNormModel(PipeModel):
     def __init__(self, depth: int) -> None:
         super().__init__(depth=depth)
         self.norm = torch.nn.BatchNorm1d(self.embed.out_features)
+        self.synced_in_fit: list[bool] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
+
+        self.synced_in_fit.append(isinstance(self.norm, SyncBatchNorm))  # (FSDP gives it a subclass of its own)
 
 
 def _batchnorm_classes(model: Any, strategy: Any) -> dict[str, Any]:
-    from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
-
-    return {"synced": isinstance(model.norm, SyncBatchNorm)}  # (FSDP gives it a subclass of its own)
+    # synchronised while training; the user's own class back after the fit (as Lightning's DDP does)
+    synced = bool(model.synced_in_fit) and all(model.synced_in_fit)
+    return {"synced": synced, "reverted": type(model.norm) is torch.nn.BatchNorm1d}
 
 
 def _fit_batchnorm(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -102,7 +108,7 @@ def _fit_batchnorm(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str
 def test_sync_batchnorm_over_the_data_dimension_equals_batchnorm_on_the_global_batch(layout, world):
     # each data rank normalises its 8 samples with the statistics of all 16, as one process does on its batch of 16
     results = assert_equivalent(layout, world=world, loaded=8, fit=_fit_batchnorm, make_model=_BatchNormModel)
-    assert all(r["synced"] for r in results)
+    assert all(r["synced"] and r["reverted"] for r in results)
 
 
 class _WorldLayerSync(LayerSync):
@@ -182,9 +188,12 @@ def test_torchvisions_resnet_with_sync_batchnorm_under_dp2_equals_one_process():
 
 
 def _resnet_batchnorm(model: Any, strategy: Any) -> dict[str, Any]:
-    from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
+    from lit_accel.utilities._compat import get_layer_sync
 
-    return {"synced": isinstance(model.net.bn1, SyncBatchNorm)}
+    # every BatchNorm layer of resnet18 was synchronised for the fit, and the user's classes are back after it
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    reverted = all(type(m) is torch.nn.BatchNorm2d for m in bns)
+    return {"synced": get_layer_sync(strategy).num_converted == len(bns) == 20 and reverted}
 
 
 def _fit_resnet(rank: int, world: int, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -32,14 +32,15 @@ from tests.helpers.parallel import PipeModel, dataset
 V_PROBLEM = SCHEDULES["zbv"].cpu_problem()  # why this torch cannot run the V schedules on CPU, or None
 
 
-def _fit_until_refused(rank: int, world: int, strategy_kwargs: dict[str, Any], loaded: int = 8) -> dict[str, Any]:
+def _fit_until_refused(rank: int, world: int, strategy_kwargs: dict[str, Any], loaded: int = 8,
+                       make_model: Any = PipeModel) -> dict[str, Any]:  # fmt: skip
     trainer = pl.Trainer(strategy=AccelParallel(**strategy_kwargs),
                          **small_trainer_kwargs(devices=world, max_steps=2, max_epochs=-1))  # fmt: skip
     hook, printed = sys.excepthook, None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer.fit(PipeModel(), DataLoader(dataset(32), batch_size=loaded))
+            trainer.fit(make_model(), DataLoader(dataset(32), batch_size=loaded))
             error = None
         except (ValueError, TypeError) as err:
             error = str(err)
@@ -87,6 +88,23 @@ def test_refused_before_the_first_step_with_a_fix(world, strategy_kwargs, expect
     # said once (AccelParts' say_once, from on_exception): one line on rank 0 as the process ends, nothing elsewhere
     assert results[0]["printed"].count("\n") == 1 and expected in results[0]["printed"], results[0]["printed"]
     assert all(result["printed"] == "" for result in results[1:])
+
+
+class _SelfSharded(PipeModel):
+    """Shards a block itself in configure_model, as for Lightning's ModelParallelStrategy."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.blocks[0], mesh=self.device_mesh["data_parallel"])
+
+
+def test_a_model_sharded_in_configure_model_is_refused_with_a_tensor_dimension():
+    # without pipeline and tensor dimensions it is left as it is (test_accel_fsdp_features.py)
+    for result in run_distributed(_fit_until_refused, 2, {"tensor_parallel": 2}, 8, _SelfSharded,
+                                  init_process_group=False):  # fmt: skip
+        assert "configure_model applied fully_shard" in result["error"] and "Fix: drop fully_shard" in result["error"]
+        assert result["steps"] == 0
 
 
 class _Evaluated(PipeModel):

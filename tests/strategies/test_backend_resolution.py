@@ -53,11 +53,14 @@ def test_a_spec_that_cannot_carry_the_device_is_still_refused():
 
 
 def test_accel_fsdp_resolves_its_backend_from_cpu_offload_at_setup_environment(monkeypatch):
-    """The strategy's own call: its backend before the process group starts (Lightning's _setup_distributed stubbed
-    out, so no group is created; the resolution and the mesh sizes are AccelFSDP's own code)."""
+    """The strategy's own call: its backend before the process group starts (Lightning's _setup_distributed and the
+    mesh stubbed out, so no group is created; the resolution and the mesh sizes are AccelFSDP's own code)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from lit_accel.strategies.sharded._layout import ParallelLayout
+
     monkeypatch.setattr(ModelParallelStrategy, "setup_environment", lambda self: None)
+    monkeypatch.setattr(ParallelLayout, "build_mesh", lambda self, device_type: None)
     for offload, expected in ((True, "cuda:nccl,cpu:gloo"), (False, None)):
         strategy = AccelFSDP(cpu_offload=offload)
         strategy.parallel_devices = [CUDA]

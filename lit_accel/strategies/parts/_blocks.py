@@ -1,9 +1,10 @@
 """A model's blocks: the modules a policy selects, which FSDP shards one by one and ``compile=`` compiles one by one.
 
-A *policy* names the blocks: ``"auto"`` (the class that repeats most often inside a ``ModuleList`` or
-``Sequential``, such as timm's ViT ``Block`` or a ResNet's ``BasicBlock``), a module class or tuple of classes, a
-minimum parameter count (every smallest subtree holding at least that many parameters not already in a block), or a
-callable ``module -> bool``.
+A *policy* names the blocks: ``"auto"`` (the class repeated inside a ``ModuleList`` or ``Sequential`` whose
+instances hold the most parameters together, such as timm's ViT ``Block``, torchvision's ``EncoderBlock`` or a
+ResNet's ``BasicBlock``), a module class or tuple of classes, a minimum parameter count (every smallest subtree
+holding at least that many parameters not already in a block), or a callable ``module -> bool``. An
+``nn.MultiheadAttention``'s ``out_proj`` is never a block: the attention reads its weight without calling it.
 """
 
 from __future__ import annotations
@@ -36,18 +37,22 @@ def check_policy(owner: str, name: str, policy: object) -> None:
 
 
 def _repeated_class(model: nn.Module) -> type | None:
-    """The module class that repeats most inside containers (ties: the one holding more parameters)."""
+    """The class repeated inside containers whose instances hold the most parameters together (ties: more of them).
+
+    By parameters, not by count: a transformer block holding an ``nn.Sequential`` MLP of two ``Linear`` layers
+    (torchvision's ``EncoderBlock``) is the block, not the ``Linear`` that repeats twice as often inside it.
+    """
     counts: Counter[type] = Counter()
-    sizes: dict[type, int] = {}
+    totals: Counter[type] = Counter()
     for container in model.modules():
         if isinstance(container, (nn.ModuleList, nn.Sequential)) and len(container) > 1:
             for child in container:
                 n = sum(p.numel() for p in child.parameters())
                 if n:
                     counts[type(child)] += 1
-                    sizes[type(child)] = max(sizes.get(type(child), 0), n)
+                    totals[type(child)] += n
     repeated = [cls for cls, count in counts.items() if count > 1]
-    return max(repeated, key=lambda cls: (counts[cls], sizes[cls])) if repeated else None
+    return max(repeated, key=lambda cls: (totals[cls], counts[cls])) if repeated else None
 
 
 def find_blocks(owner: str, model: nn.Module, policy: ShardPolicy, arg: str = "shard_policy") -> list[nn.Module]:
@@ -56,12 +61,16 @@ def find_blocks(owner: str, model: nn.Module, policy: ShardPolicy, arg: str = "s
     Raises:
         ValueError: a class policy that matches no module of ``model``.
     """
+    # nn.MultiheadAttention reads its out_proj's weight without calling it: FSDP's hooks on it would never gather it
+    never_called = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     if isinstance(policy, int) and not isinstance(policy, bool):
-        return _by_size(model, policy)
+        return [block for block in _by_size(model, policy) if id(block) not in never_called]
     selected = _selector(owner, model, policy, arg)
     blocks, taken = [], set()
     for module in model.modules():
-        if module is not model and selected(module) and not any(id(p) in taken for p in module.parameters()):
+        if module is model or id(module) in never_called:
+            continue
+        if selected(module) and not any(id(p) in taken for p in module.parameters()):
             blocks.append(module)
             taken.update(id(p) for p in module.parameters())
     return blocks

@@ -2,8 +2,9 @@
 
 Order (torchtitan's): split into stages and drop the other ranks' units (before materialising, so a model built on
 the meta device only ever allocates its own stage), convert for precision (fp8), tensor-parallelise, compile each
-block (``compile=``), then shard over the data dimension block by block with each stage (or, without a pipeline, each
-top-level unit) as an FSDP root.
+block (``compile=``), then shard over the data dimension block by block with each stage (without a pipeline: each
+top-level unit under tensor parallelism, else the whole module, as AccelFSDP) as an FSDP root. A model whose
+``configure_model`` applied ``fully_shard`` is left as it is (only without pipeline and tensor dimensions).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from lit_accel.strategies.sharded._layout import ParallelLayout
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["BuildConfig", "ParallelModel", "build_parallel_model"]
+__all__ = ["BuildConfig", "ParallelModel", "build_parallel_model", "sync_layers"]
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,16 @@ def build_parallel_model(
 ) -> ParallelModel:
     """Stages, TP and FSDP applied to ``module`` in place for global rank ``rank``; the parts returned."""
     owner, layout = config.owner, config.plan.layout
-    _check_loose(owner, module, layout)
+    layered = layout.pipeline > 1 or layout.tensor > 1
+    own_sharding = sharding.sharded_by_user(owner, module, layered)
+    if layered:
+        _check_loose(owner, module, layout)  # (without them the whole module is FSDP's root, its own parameters too)
     plan = _tensor_plan.resolve_plan(owner, module, config.plan.tensor_plan, layout.tensor)
     owned: dict[int, list[str]] = {}
     num_stages, starts = 1, [0]
     if layout.pipeline > 1:
         owned, num_stages, starts = _split(owner, module, layout.coordinates(rank)[0], config)
-    _sync_layers(module, config)
+    sync_layers(module, config.plan, config.layer_sync)
     _compat.materialize_distributed_module(module, device)
     precision.convert_module(module)
     module.to(device)
@@ -119,15 +123,14 @@ def build_parallel_model(
     stages = [
         _stages.StageModule(sid, [(name, module.get_submodule(name)) for name in names]) for sid, names in owned.items()
     ]
-    roots, sharded = _wrap_blocks(owner, module, stages, mesh, config)
+    roots, sharded = (own_sharding, []) if own_sharding else _wrap_blocks(owner, module, stages, mesh, config)
     return ParallelModel(stages, roots, tensor_modules, num_stages, starts, plan_check, sharded)
 
 
-def _sync_layers(module: nn.Module, config: BuildConfig) -> None:
+def sync_layers(module: nn.Module, plan: ParallelPlan, layer_sync: LayerSync | None) -> None:
     """SyncBatchNorm over each data dimension (never over a stage's or a tensor shard's peers), before FSDP."""
-    layer_sync = config.layer_sync
     if isinstance(layer_sync, AccelSyncBatchNorm):
-        layer_sync.apply(module, config.plan.data_groups(layer_sync.group_size))
+        layer_sync.apply(module, plan.data_groups(layer_sync.group_size))
     elif layer_sync is not None and not isinstance(layer_sync, TorchSyncBatchNorm):  # (replaced by ours when fitting)
         layer_sync.apply(module)  # a user's plugin: the checks allowed it only where the data dimension is the world
 
@@ -136,10 +139,11 @@ def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule
                  config: BuildConfig) -> tuple[list[nn.Module], list[nn.Module]]:  # fmt: skip
     """This rank's blocks compiled, checkpointed and sharded (in that order): (FSDP roots, every sharded module)."""
     plan = config.plan
-    # With a tensor dimension even one data rank shards (a no-op FSDP over one rank): every parameter is then a
-    # DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call. Offloading is
-    # FSDP's too.
-    shards = plan.layout.data > 1 or plan.layout.tensor > 1 or plan.cpu_offload
+    # Only a pipeline over one data rank leaves FSDP out. Without a pipeline even one data rank shards (AccelFSDP's
+    # layout, one code path); with a tensor dimension every parameter is then a DTensor, since torch's fp16 unscale
+    # cannot take plain and distributed gradients in one call. Offloading is FSDP's too.
+    layout = plan.layout
+    shards = layout.pipeline == 1 or layout.data > 1 or layout.tensor > 1 or plan.cpu_offload
     wanted = shards or config.compile_blocks is not None or plan.activation_checkpointing is True
     # this rank's blocks (the other stages' are pruned)
     blocks = _blocks.find_blocks(owner, module, plan.shard_policy) if wanted else []
@@ -153,11 +157,17 @@ def _shard(
     module: nn.Module, stages: list[_stages.StageModule], blocks: list[nn.Module], data_mesh: DeviceMesh,
     config: BuildConfig,
 ) -> tuple[list[nn.Module], list[nn.Module]]:  # fmt: skip
-    """FSDP over the data dimension: blocks first, then each stage (or each top-level unit) as a root."""
+    """FSDP over the data dimension: blocks first, then each stage, top-level unit or the whole module as a root.
+
+    Each top-level unit under tensor parallelism (its modules' parameters are DTensors over another mesh); without
+    pipeline and tensor dimensions the whole module, as AccelFSDP.
+    """
     if stages:
         roots: list[nn.Module] = list(stages)
-    else:
+    elif config.plan.layout.tensor > 1:
         roots = [unit for _, unit in _stages.pipeline_units(module) if any(True for _ in unit.parameters())]
+    else:
+        roots = [module]
     sharded: list[nn.Module] = []
     for root in roots:
         inside = {id(m) for m in root.modules()}

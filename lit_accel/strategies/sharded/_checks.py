@@ -1,9 +1,9 @@
 """AccelParallel's guards: every configuration it cannot run is refused before the first step, with a fix.
 
 At construction: the strategy's own arguments and their combinations with the plan (``ParallelPlan.build`` checks
-the plan's). When the devices are known: what they cannot run. At setup: the model
-(a pipeline needs ``pipeline_loss``) and the precision. At fit start, when the loaded batch is known: the micro-batch
-count for the schedule (an error where torch would refuse it, a warning with the bubble where it merely idles).
+the plan's). When the devices are known: what they cannot run. At setup: the model (a pipeline needs
+``pipeline_loss``) and the precision. At fit start, when the loaded batch is known, ``_pipeline_batch`` checks the
+micro-batch count for the schedule.
 """
 
 from __future__ import annotations
@@ -13,22 +13,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-from lit_accel.strategies.sharded._schedules import analytic_bubble
 from lit_accel.utilities._compat import get_layer_sync
 from lit_accel.utilities._validation import check_choice, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.parts.batch_plan import BatchPlan
     from lit_accel.strategies.sharded._layout import ParallelLayout
-    from lit_accel.strategies.sharded._pipeline import PipelineRunner
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["check_arguments", "check_environment", "check_model", "check_pipeline_batch"]
+__all__ = ["check_arguments", "check_environment", "check_model"]
 
 
 def check_arguments(
@@ -39,7 +35,7 @@ def check_arguments(
     if micro_batch_size != "auto":
         check_int(owner, "micro_batch_size", micro_batch_size, allow_none=True, example=4)
     check_choice(owner, "state_dict_type", state_dict_type, ("full", "sharded"), "'sharded'")
-    check_choice(owner, "start_method", start_method, ("popen", "spawn"), "'popen'")
+    check_choice(owner, "start_method", start_method, ("popen", "spawn", "fork", "forkserver"), "'popen'")
     pipeline = plan.layout.pipeline
     if pipeline > 1 and state_dict_type == "full":
         raise ValueError(
@@ -121,19 +117,3 @@ def _check_layer_sync(owner: str, layer_sync: Any, layout: ParallelLayout) -> No
 def _scaler_ok(plugin: Any) -> bool:
     scaler = getattr(plugin, "scaler", None)
     return scaler is not None and isinstance(scaler, torch.amp.GradScaler)
-
-
-def check_pipeline_batch(owner: str, pipeline: PipelineRunner, plan: BatchPlan) -> None:
-    """The loaded batch against the schedule: refuse what torch refuses, warn when micro-batches leave stages idle."""
-    problem = pipeline.check_batch(plan.loaded_batch_size)
-    if problem is not None:
-        raise ValueError(
-            f"{owner}(schedule={pipeline.spec.name!r}, microbatches={plan.micro_batches}): {problem}. Fix: more"
-            f" micro-batches (at least {pipeline.num_stages}), i.e. microbatches= or a larger loader batch_size."
-        )
-    if plan.micro_batches < pipeline.num_stages:
-        bubble = analytic_bubble(pipeline.spec, plan.micro_batches, pipeline.pipeline, pipeline.stages_per_rank)
-        rank_zero_warn(
-            f"{owner}: {plan.micro_batches} micro-batches for {pipeline.num_stages} pipeline stages leaves each rank"
-            f" idle about {bubble:.0%} of a step (the bubble). Fix: at least {pipeline.num_stages} micro-batches."
-        )

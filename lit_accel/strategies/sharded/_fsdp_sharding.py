@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["checkpoint_blocks", "parameter_dtype", "shard_model"]
+__all__ = ["checkpoint_blocks", "parameter_dtype", "shard_model", "sharded_by_user"]
 
 _PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
@@ -55,3 +55,27 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], pla
     # The root's forward hooks see a step's (batch, batch_idx): autocast casts what the root's own layers compute
     # on, so casting the batch (float targets included) to the compute dtype there would only lose precision.
     fully_shard(model, mp_policy=dataclasses.replace(mp_policy, cast_forward_inputs=False), **kwargs)
+
+
+def sharded_by_user(owner: str, model: nn.Module, layered: bool) -> list[nn.Module]:
+    """The outermost FSDP2 modules of a ``model`` its ``configure_model`` sharded (left as they are); [] if none.
+
+    ``layered``: a pipeline or tensor dimension, whose stages and shards this strategy must make itself.
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(f"{owner} shards with FSDP2; the model holds FSDP1 wrappers. Fix: drop them.")
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # parents before children
+        if isinstance(module, FSDPModule) and id(module) not in inside:
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    if found and layered:
+        raise ValueError(
+            f"{owner}: {type(model).__name__}.configure_model applied fully_shard, but a pipeline or tensor dimension"
+            " needs this strategy to split and shard the model itself. Fix: drop fully_shard from configure_model,"
+            " or use AccelFSDP."
+        )
+    return found

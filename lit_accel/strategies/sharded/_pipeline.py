@@ -185,11 +185,32 @@ class PipelineRunner:
             param.grad = None
         return loss
 
+    def backward_hooks(self, strategy: pl.strategies.Strategy, closure_loss: Tensor) -> Tensor:
+        """Lightning's ``backward`` of this step: the hooks around it, and the last :meth:`train_step`'s gradients back.
+
+        The schedule ran every backward inside ``training_step``; only the hooks are left to call.
+        """
+        module = strategy.lightning_module
+        assert module is not None
+        strategy.pre_backward(closure_loss)
+        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, module)
+        self.restore_gradients()
+        closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
     def restore_gradients(self) -> None:
-        """Put back the gradients of the last :meth:`train_step` (Lightning's ``backward`` of this step)."""
+        """Put back the gradients of the last :meth:`train_step`."""
         for param, grad in self._held:
             param.grad = grad
         self._held = []
+
+    def validation_step(self, batch: Any, module: pl.LightningModule) -> Tensor:
+        """The batch's mean loss (no gradients), logged as ``val_loss`` over the world."""
+        with torch.no_grad():
+            loss = self.eval_step(batch, module)
+        module.log("val_loss", loss, sync_dist=True)
+        return loss
 
     def eval_step(self, batch: Any, module: pl.LightningModule) -> Tensor:
         """Forward only; the batch's mean loss on every pipeline rank."""

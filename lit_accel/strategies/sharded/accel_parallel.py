@@ -21,11 +21,11 @@ from lit_accel.strategies.parts._backend import check_backend_spec, resolve_back
 from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.strategies.sharded import _checks, _gradients
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
-from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, build_parallel_model
+from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, build_parallel_model, sync_layers
 from lit_accel.strategies.sharded._fsdp_comm import GradientSync, gathered_attempts, install_counting_comms
 from lit_accel.strategies.sharded._layout import ParallelLayout
 from lit_accel.strategies.sharded._pipeline import PipelineRunner
-from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, pipeline_split
+from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, fit_pipeline, pipeline_split
 from lit_accel.strategies.sharded._plan_check import PlanCheck
 from lit_accel.strategies.sharded._schedules import ScheduleName
 from lit_accel.strategies.sharded._stage import ParallelCommStats
@@ -114,7 +114,7 @@ class AccelParallel(ModelParallelStrategy):
         compile: bool | Mapping[str, Any] = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn"] = "popen",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         name = type(self).__name__
         check_backend_spec(name, process_group_backend)
@@ -153,8 +153,6 @@ class AccelParallel(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(cls, _START_METHODS, strategy_registry)
 
-    # ------------------------------------------------------------------ public state
-
     @property
     def plan(self) -> ParallelPlan:
         """The layout, schedule, pipeline and sharding choices (the smallest world's until ``setup_environment``)."""
@@ -179,6 +177,11 @@ class AccelParallel(ModelParallelStrategy):
         return self._comm_stats
 
     @property
+    def sharded_modules(self) -> list[torch.nn.Module]:
+        """The modules ``fully_shard`` was applied to by this strategy (none when ``configure_model`` sharded)."""
+        return [] if self._built is None else self._built.sharded
+
+    @property
     def pipeline(self) -> PipelineRunner | None:
         """This rank's stages and schedules (``None`` without a pipeline dimension)."""
         return self._pipeline
@@ -198,8 +201,6 @@ class AccelParallel(ModelParallelStrategy):
         # The ranks of one data-parallel replica (its pipeline stages and tensor shards) load the same samples.
         return {"num_replicas": self.layout.data, "rank": self.layout.data_rank(self.global_rank)}
 
-    # ------------------------------------------------------------------ checkpoints
-
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
@@ -214,8 +215,6 @@ class AccelParallel(ModelParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         self.parts.loops_restored()  # the first strategy hook after Lightning restored the loops
-
-    # ------------------------------------------------------------------ environment and setup
 
     @override
     def _configure_launcher(self) -> None:
@@ -252,11 +251,13 @@ class AccelParallel(ModelParallelStrategy):
         if fitting and layout.pipeline > 1:
             check_no_accumulation(name, trainer, plan)
         self.accelerator.setup(trainer)
-        if self._built is None:  # a second fit/validate keeps the model as built
+        if self._built is None:  # a second fit/validate keeps the model as built (its layer sync put back)
             self._build(module)
+        else:
+            sync_layers(module, self.plan, _compat.get_layer_sync(self))
         self.barrier()
         if fitting:
-            self._plan_pipeline()
+            fit_pipeline(name, self._pipeline, self.parts.batch_plan)
             self._clip = _gradients.take_clipping(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -279,16 +280,6 @@ class AccelParallel(ModelParallelStrategy):
                                             self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
             self._comm_stats.bubble = self._pipeline.meter
 
-    def _plan_pipeline(self) -> None:
-        """The pipeline's micro-batch count from this fit's plan, checked against the schedule."""
-        pipeline, plan = self._pipeline, self.parts.batch_plan
-        if pipeline is None or plan is None:
-            return  # no pipeline, or no loader batch size: each batch is split as it comes (``_pipeline.py``)
-        pipeline.microbatches = plan.micro_batches
-        _checks.check_pipeline_batch(type(self).__name__, pipeline, plan)
-
-    # ------------------------------------------------------------------ steps
-
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -304,35 +295,44 @@ class AccelParallel(ModelParallelStrategy):
     def _training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """A loaded batch (or micro-batch) through Lightning's ``training_step``, or all its micro-batches' pipeline."""
         if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
+            return self._root_step(self.precision_plugin.train_step_context, "training_step", args, kwargs)
         assert self.lightning_module is not None
         scale = _gradients.loss_scale(self.precision_plugin, self.root_device)
         with self.precision_plugin.train_step_context():
             return self._pipeline.train_step(args[0], self.lightning_module, scale)
 
+    def _root_step(self, context: Callable[[], Any], name: str, args: tuple, kwargs: dict) -> Any:
+        """A step through the root's ``__call__``, whose FSDP hooks gather its own parameters (a stem, a head)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        assert module is not None
+        with context():
+            if isinstance(module, FSDPModule):  # the wrapper is the module itself: redirect through its hooks
+                return self._forward_redirection(module, module, name, *args, **kwargs)
+            return getattr(module, name)(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._root_step(self.precision_plugin.test_step_context, "test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._root_step(self.precision_plugin.predict_step_context, "predict_step", args, kwargs)
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        module = self.lightning_module
-        assert module is not None
-        with self.precision_plugin.val_step_context(), torch.no_grad():
-            loss = self._pipeline.eval_step(args[0], module)
-        module.log("val_loss", loss, sync_dist=True)
-        return loss
+            return self._root_step(self.precision_plugin.val_step_context, "validation_step", args, kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.val_step_context():
+            return self._pipeline.validation_step(args[0], self.lightning_module)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
             return self.parts.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
-        # The schedule ran every backward inside training_step: only the hooks around it are left to call.
-        assert self.lightning_module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._pipeline.restore_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        return self._pipeline.backward_hooks(self, closure_loss)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -384,10 +384,12 @@ class AccelParallel(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self.parts.teardown()
-        trainer = self.parts.trainer
+        trainer, layer_sync = self.parts.trainer, _compat.get_layer_sync(self)
         if self._clip is not None and trainer is not None:
             trainer.gradient_clip_val = self._clip[0]
             self._clip = None
+        if layer_sync is not None and self.model is not None:
+            self.model = layer_sync.revert(self.model)  # the user's own layer classes back after the run
         super().teardown()
 
     @override
