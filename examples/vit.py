@@ -288,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging interval in optimizer steps",
     )
     group.add_argument(
+        "--plan",
+        action="store_true",
+        help="print every layout's predicted memory per device (lit_accel.plan) for this run and exit",
+    )
+    group.add_argument(
         "--cpu-threads",
         type=int,
         default=None,
@@ -653,6 +658,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     )
     cuda = _uses_cuda(args.accelerator)
     datamodule = ImageDataModule(spec, args.batch_size, args.num_workers, pin_memory=cuda, seed=args.seed)
+    if args.plan:
+        print_plan(args, module, datamodule)
+        return {}
 
     # A resumed run continues in its own folder; a new one gets a folder of its own (never another run's).
     if args.run_dir:
@@ -707,6 +715,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         print_table(results)
     return results
+
+
+def print_plan(args: argparse.Namespace, module: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
+    """``--plan``: every layout's predicted memory per device for this run (one loaded batch, no training)."""
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    print(lit_accel.plan(module, batch, world_size=args.world_size, precision=args.precision))
 
 
 def build_callbacks(args: argparse.Namespace, run_dir: Path, efficiency: EfficiencyMonitor) -> list[Any]:

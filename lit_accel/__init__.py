@@ -24,6 +24,7 @@ from lit_accel.callbacks import (
     NonFiniteGuard,
 )
 from lit_accel.meters import EfficiencyMeter, LossScaleMeter, MemoryMeter, ProgressWatchdog
+from lit_accel.planning import Plan, PlanRow, plan
 from lit_accel.plugins import (
     AccelPrecision,
     AccelSyncBatchNorm,
@@ -81,10 +82,13 @@ __all__ = [
     "PipelineBubbleStats",
     "PipelineLoss",
     "PipelineStages",
+    "Plan",
+    "PlanRow",
     "ProgressWatchdog",
     "ScalerStats",
     "ScalerStatsProvider",
     "SkippedStepRecord",
     "StagePlacement",
     "SyncBatchNorm",
+    "plan",
 ]

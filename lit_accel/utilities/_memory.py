@@ -158,16 +158,26 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
 
 
 def _meta_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    groups = []
+    tensors = (t for _, state in meta_step_states(optimizer) for t in state)
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "meta")
+
+
+def meta_step_states(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Each parameter of ``optimizer`` with the state tensors its first ``step`` allocates.
+
+    From a copy of the optimizer stepped over meta tensors of the parameters' local shapes (nothing is allocated;
+    per-parameter scalars such as Adam's step counter stay on the CPU). Raises what the copy raises.
+    """
+    groups, pairs = [], []
     for group in optimizer.param_groups:
         metas = []
         for param in group["params"]:
             meta = torch.empty_like(_local(param), device="meta").requires_grad_(param.requires_grad)
             meta.grad = torch.empty_like(meta)
             metas.append(meta)
+            pairs.append((param, meta))
         groups.append({**group, "params": metas, **({"fused": False} if group.get("fused") else {})})
     clone = type(optimizer)(groups)
     with torch.no_grad():
         clone.step()
-    tensors = (t for state in clone.state.values() for t in state.values() if isinstance(t, torch.Tensor))
-    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "meta")
+    return [(p, [t for t in clone.state.get(m, {}).values() if isinstance(t, torch.Tensor)]) for p, m in pairs]

@@ -156,6 +156,17 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(vit, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("error: --resume last: no run under --output")
 
 
+def test_plan_prints_every_layouts_memory_and_starts_no_run(vit, tmp_path, capsys):
+    # issue #50: the run it would start, planned (4 processes' layouts), and nothing trained or written
+    assert vit.main(["--accelerator", "cpu", "--devices", "4", "--output", str(tmp_path), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "lit_accel.plan: 4 processes, 32-true" in out
+    for layout in ("ddp", "fsdp", "dp2xtp2", "tp4"):
+        assert re.search(rf"│ {layout} +│ +[\d.]+ [kM]B", out), (layout, out)
+    assert "needs ImageClassifier.pipeline_loss" in out  # a pipeline layout is refused as the strategy would
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_timms_flag_names_and_the_earlier_ones_set_the_same_settings(vit, tmp_path):
     timm_style = ["-b", "8", "--grad-accum-steps", "2", "-j", "1", "--torchcompile", "--output", "out",
                   "--log-interval", "5", "--data-dir", "digits"]  # fmt: skip

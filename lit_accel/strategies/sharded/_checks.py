@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from lit_accel.strategies.sharded._layout import ParallelLayout
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["check_arguments", "check_environment", "check_model"]
+__all__ = ["check_arguments", "check_environment", "check_model", "check_pipeline_loss"]
 
 
 def check_arguments(
@@ -77,12 +77,7 @@ def check_environment(owner: str, plan: ParallelPlan, device: torch.device) -> N
 
 def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: ParallelLayout) -> None:
     """What the model and precision must offer for the layout."""
-    if layout.pipeline > 1 and not callable(getattr(module, "pipeline_loss", None)):
-        raise TypeError(
-            f"{owner}(pipeline_parallel={layout.pipeline}) needs {type(module).__name__}.pipeline_loss(output, target)"
-            " returning the mean loss of a micro-batch (the last stage computes it; training_step is not used)."
-            " Fix: define pipeline_loss."
-        )
+    check_pipeline_loss(owner, module, layout.pipeline)
     evaluating = module.trainer.state.fn
     if layout.pipeline > 1 and evaluating in (TrainerFn.TESTING, TrainerFn.PREDICTING):
         raise ValueError(
@@ -100,6 +95,16 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
     if precision == "16-mixed" and not _scaler_ok(strategy.precision_plugin):
         raise ValueError(
             f"{owner}: 16-mixed needs a loss scaler on the precision plugin. Fix: AccelPrecision('16-mixed')."
+        )
+
+
+def check_pipeline_loss(owner: str, module: pl.LightningModule, pipeline: int) -> None:
+    """A pipeline needs the module's ``pipeline_loss``."""
+    if pipeline > 1 and not callable(getattr(module, "pipeline_loss", None)):
+        raise TypeError(
+            f"{owner}(pipeline_parallel={pipeline}) needs {type(module).__name__}.pipeline_loss(output, target)"
+            " returning the mean loss of a micro-batch (the last stage computes it; training_step is not used)."
+            " Fix: define pipeline_loss."
         )
 
 

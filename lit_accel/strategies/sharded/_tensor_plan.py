@@ -19,7 +19,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TensorPlan", "apply_plan", "auto_plan", "check_plan", "resolve_plan"]
+__all__ = ["TensorPlan", "apply_plan", "auto_plan", "check_plan", "head_attribute", "resolve_plan"]
 
 TensorPlan = Literal["auto"] | Mapping[str, Any] | None
 _STYLE_NAMES = ("colwise", "rowwise", "sequence")
@@ -179,15 +179,21 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> tupl
     changed: dict[str, dict] = {}
     for name in sorted({n.rpartition(".")[0] for n in local}):
         parent = model.get_submodule(name)
-        if _attention(parent) is not None:
-            heads = next((h for h in _HEADS if isinstance(getattr(parent, h, None), int)), None)
-            if heads is not None:
-                before = getattr(parent, heads)
-                setattr(parent, heads, before // mesh.size())
-                changed[name] = {heads: before}
-                # the user's object changes: said once, naming the attribute and both values
-                rank_zero_info(
-                    f"tensor_parallel={mesh.size()}: {name or 'the model'}.{heads} changed from {before} to"
-                    f" {before // mesh.size()} on every rank (its reshapes see the local heads)."
-                )
+        heads = head_attribute(parent)
+        if heads is not None:
+            before = getattr(parent, heads)
+            setattr(parent, heads, before // mesh.size())
+            changed[name] = {heads: before}
+            # the user's object changes: said once, naming the attribute and both values
+            rank_zero_info(
+                f"tensor_parallel={mesh.size()}: {name or 'the model'}.{heads} changed from {before} to"
+                f" {before // mesh.size()} on every rank (its reshapes see the local heads)."
+            )
     return sorted(local), changed
+
+
+def head_attribute(module: nn.Module) -> str | None:
+    """The head-count attribute of an attention module ``"auto"`` splits (divided by the tensor size), or None."""
+    if _attention(module) is None:
+        return None
+    return next((h for h in _HEADS if isinstance(getattr(module, h, None), int)), None)

@@ -1,0 +1,172 @@
+"""The activation memory of a layout's largest rank: one fake forward, measured as the ``MemoryMonitor`` does.
+
+The module is copied with every parameter and buffer replaced by a fake tensor (``FakeTensorMode``: shapes, dtypes
+and storages, no data, no allocation), its ``training_step`` runs on a fake copy of one device's batch, and the
+MemoryMonitor's own probe (``SavedTensorProbe``: the unique storages autograd saves for the backward, parameters and
+their casts apart) counts the bytes. Under a pipeline the forward runs on one micro-batch and each unit's saved
+tensors are booked to its stage (the loss to the last), a rank holding the sum of its stages. Under tensor parallelism
+the copy holds one rank's shards (a column-wise ``Linear`` with its rows split, a row-wise one with its columns, an
+attention's head count divided, as ``apply_plan`` does), so the forward computes the shapes a rank computes; a plan
+with other styles (sequence parallel, torch style objects) is not modelled (``None``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lit_accel.meters._memory_probe import SavedTensorProbe
+from lit_accel.planning._state import sharded, tensor_dims
+from lit_accel.strategies.sharded._stages import pipeline_units, split_units
+from lit_accel.strategies.sharded._tensor_plan import head_attribute, resolve_plan
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lit_accel.strategies.sharded.plan import ParallelPlan
+
+__all__ = ["activation_bytes"]
+
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
+_TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
+
+def _fake_copy(module: nn.Module, mode: Any, dtype: torch.dtype | None) -> nn.Module:
+    """``module`` deep-copied with fake parameters and buffers (floating ones in ``dtype`` when given).
+
+    Copied outside ``mode``: other tensors the module holds (a metric's state) are copied as they are.
+    """
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        with mode:
+            return torch.empty(t.shape, dtype=cast)
+
+    memo: dict[int, Any] = {id(p): nn.Parameter(fake(p), requires_grad=p.requires_grad) for p in module.parameters()}
+    memo.update({id(b): fake(b) for b in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
+def _fake_batch(batch: Any, dtype: torch.dtype | None, micro: int) -> Any:
+    """The batch's tensors as fake ones (the first ``1/micro`` of their samples; floats in ``dtype`` when given)."""
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = (t.shape[0] // micro, *t.shape[1:]) if t.dim() else t.shape
+        return torch.empty(shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+
+    return tree_map(fake, batch)
+
+
+def _modelled(module: nn.Module, plan: ParallelPlan) -> bool:
+    """Whether the tensor plan (if any) has only the column- and row-wise styles the copy can take."""
+    if plan.layout.tensor == 1:
+        return True
+    styles = resolve_plan("lit_accel.plan", module, plan.tensor_plan, plan.layout.tensor)
+    return all(style in ("colwise", "rowwise") for style in styles.values())
+
+
+def _to_local_shards(shadow: nn.Module, plan: ParallelPlan) -> None:
+    """One tensor rank's shapes: each split parameter replaced by its shard, attention head counts divided."""
+    tensor = plan.layout.tensor
+    for name, dim in tensor_dims(shadow, plan).items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = shadow.get_submodule(owner_name)
+        param = getattr(owner, leaf)
+        shape = list(param.shape)
+        shape[dim] = -(-shape[dim] // tensor)
+        setattr(owner, leaf, nn.Parameter(torch.empty(shape, dtype=param.dtype), requires_grad=param.requires_grad))
+    for parent_name in {name.rpartition(".")[0].rpartition(".")[0] for name in tensor_dims(shadow, plan)}:
+        parent = shadow.get_submodule(parent_name)
+        heads = head_attribute(parent)
+        if heads is not None:
+            setattr(parent, heads, getattr(parent, heads) // tensor)
+
+
+class _StageBooks:
+    """One probe per stretch of a forward; each stretch's saved bytes booked to the stage that ran it."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.bytes: dict[int, float] = defaultdict(float)
+        self._stage: int | None = None
+        self._probe: SavedTensorProbe | None = None
+
+    def enter(self, stage: int) -> None:
+        if stage != self._stage:
+            self.close()
+            self._stage, self._probe = stage, SavedTensorProbe(self.params)
+            self._probe.start()
+
+    def close(self) -> None:
+        if self._probe is not None and self._stage is not None:
+            self.bytes[self._stage] += self._probe.stop()[0].total
+            self._probe = None
+
+
+def _step(shadow: pl.LightningModule, batch: Any) -> None:
+    """The module's ``training_step`` (its ``self.log`` calls have no trainer to go to: not a problem here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.log\(\)` but the `self\.trainer` reference")
+        shadow.training_step(batch, 0)
+
+
+def _per_stage(shadow: pl.LightningModule, batch: Any, plan: ParallelPlan) -> dict[int, float]:
+    """Saved bytes of each stage for one micro-batch (the loss counted with the last stage)."""
+    units = pipeline_units(shadow)
+    names = [name for name, _ in units]
+    starts = split_units("lit_accel.plan", names, units, plan.num_stages, plan.stage_split)
+    stage_of = {id(unit): sum(1 for s in starts if s <= i) - 1 for i, (_, unit) in enumerate(units)}
+    books = _StageBooks(list(shadow.parameters()))
+    handles = [unit.register_forward_pre_hook(lambda m, _: books.enter(stage_of[id(m)])) for _, unit in units]
+    try:
+        books.enter(0)
+        _step(shadow, batch)
+        books.close()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return books.bytes
+
+
+def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str) -> float | None:
+    """Bytes autograd saves in one forward on the largest rank (one micro-batch under a pipeline); None: unknown.
+
+    ``batch``: one device's loaded batch. ``plan``: ``None`` for DDP.
+    """
+    if batch is None or (plan is not None and not _modelled(module, plan)):
+        return None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    pipeline = 1 if plan is None else plan.layout.pipeline
+    micro = 1 if plan is None or pipeline == 1 else plan.microbatches or 2 * plan.num_stages
+    autocast = _AUTOCAST.get(precision)
+    # FSDP computes in its MixedPrecisionPolicy's dtype (the autocast one): the gathered parameters are low precision
+    params_dtype = _TRUE.get(precision) or (autocast if plan is not None and sharded(plan) else None)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # (a metric's real state meets the fake outputs)
+    shadow = _fake_copy(module, mode, params_dtype)
+    with mode:
+        if plan is not None and plan.layout.tensor > 1:
+            _to_local_shards(shadow, plan)
+        fake_batch = _fake_batch(batch, _TRUE.get(precision), micro)
+        context = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+        with context:
+            if pipeline > 1:
+                assert plan is not None
+                stages = _per_stage(shadow, fake_batch, plan)
+                return max(sum(stages[s] for s in plan.stage_ids(rank)) for rank in range(pipeline))
+            probe = SavedTensorProbe(shadow.parameters())
+            probe.start()
+            try:
+                _step(shadow, fake_batch)
+            finally:
+                saved = probe.stop()[0].total
+    return saved

@@ -1,0 +1,82 @@
+"""The candidate layouts of a world: their names (``"ddp"``, ``"fsdp"``, ``"pp2"``, ``"dp2xtp2"``...) and plans.
+
+Each name is the strategy a user would write: ``"ddp"`` is ``AccelDDP()``, ``"fsdp"`` ``AccelFSDP()``, and a product
+of ``pp``/``dp``/``tp`` sizes ``AccelParallel(pipeline_parallel=..., tensor_parallel=...)`` with the data size what
+the others leave (``dp`` named only beside another dimension, as in ``"pp2xdp2"``). The plan is the strategy's own
+``ParallelPlan``, built by the same checks, so a layout a strategy would refuse is refused here with its message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from lit_accel.strategies.sharded.plan import ParallelPlan
+
+__all__ = ["Candidate", "candidates", "parse"]
+
+_NAME = re.compile(r"^(?:pp(\d+))?x?(?:dp(\d+))?x?(?:tp(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout to plan: its name, the strategy's keyword arguments, its plan or why it cannot run."""
+
+    name: str
+    #: ``"ddp"``, ``"fsdp"`` or ``"parallel"``: the strategy class
+    kind: str
+    #: the strategy's keyword arguments (sizes; the data size is inferred)
+    kwargs: dict[str, Any]
+    #: the plan sized for the world (``None`` for DDP, or when refused)
+    plan: ParallelPlan | None
+    #: why the layout cannot run (the strategy's own message), or ``None``
+    refused: str | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def _name(pipeline: int, data: int, tensor: int) -> str:
+    return "x".join(f"{dim}{n}" for dim, n in (("pp", pipeline), ("dp", data), ("tp", tensor)) if n > 1)
+
+
+def parse(owner: str, name: str, world_size: int) -> Candidate:
+    """The candidate ``name`` names for ``world_size`` processes.
+
+    Raises:
+        ValueError: a name that is none of ``ddp``, ``fsdp`` or a product of ``ppN``/``dpN``/``tpN``.
+    """
+    if name in ("ddp", "fsdp"):
+        kind = name
+        sizes = {}
+    else:
+        match = _NAME.match(name)
+        if not name or match is None or not any(match.groups()):
+            raise ValueError(
+                f"{owner}(layouts=[{name!r}]): not a layout name. Fix: 'ddp', 'fsdp' or sizes joined by 'x', e.g."
+                " 'pp2', 'tp2', 'dp2xtp2', 'pp2xdp2'."
+            )
+        pipeline, data, tensor = (int(g) if g else 1 for g in match.groups())
+        if data > 1 and pipeline * data * tensor != world_size:
+            return Candidate(name, "parallel", {}, None, f"{name} needs {pipeline * data * tensor} processes, not"
+                             f" {world_size}")  # fmt: skip
+        kind, sizes = "parallel", {"pipeline_parallel": pipeline, "tensor_parallel": tensor}
+    if kind == "ddp":
+        return Candidate(name, kind, {}, None)
+    try:
+        plan = ParallelPlan.build(owner, world_size, **sizes)
+    except (ValueError, TypeError) as error:
+        return Candidate(name, kind, sizes, None, str(error))
+    return Candidate(name, kind, sizes, plan)
+
+
+def candidates(owner: str, world_size: int) -> list[Candidate]:
+    """Every layout of ``world_size`` processes: ``ddp``, ``fsdp``, then each pipeline x tensor split."""
+    names = ["ddp", "fsdp"]
+    for pipeline in [1, *_divisors(world_size)]:
+        for tensor in [1, *_divisors(world_size // pipeline)]:
+            if pipeline * tensor > 1:
+                names.append(_name(pipeline, world_size // (pipeline * tensor), tensor))
+    return [parse(owner, name, world_size) for name in names]
