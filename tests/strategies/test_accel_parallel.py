@@ -123,6 +123,17 @@ def test_a_libraries_vit_with_lightnings_own_sampler_equals_one_process(make_mod
                       make_data=image_dataset, atol=1e-5, shuffle_seed=0, use_distributed_sampler=True)  # fmt: skip
 
 
+# What stages exchange is made contiguous: torchvision's nn.MultiheadAttention transposes, and torch sizes its receive
+# buffers by the strides it saw, so this failed in isend/irecv ("input tensor has to be contiguous") before
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy_kwargs", "world"), [({"pipeline_parallel": 2}, 2), ({"pipeline_parallel": 4}, 4)],
+                         ids=["pp2", "pp4"])  # fmt: skip
+def test_torchvisions_vit_under_a_pipeline_over_one_data_rank_equals_one_process(strategy_kwargs, world):
+    make_model = functools.partial(TorchvisionViT, width=32, heads=4)
+    assert_equivalent(strategy_kwargs, world, loaded=8, depth=4, samples=32, make_model=make_model,
+                      make_data=image_dataset, atol=1e-5)  # fmt: skip
+
+
 def with_torch(schedule: str) -> Any:
     """The schedule as a test parameter, skipped on a torch without its class or unable to run it on CPU.
 

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 __all__ = ["StageModule", "pipeline_units", "prune_to", "split_units"]
@@ -139,9 +140,30 @@ class StageModule(nn.Module):
         self.units = nn.ModuleList([unit for _, unit in units])
 
     def forward(self, *args: Any) -> Any:
-        values: tuple[Any, ...] = args
+        # What crosses to a neighbour stage is contiguous, both ways: torch sizes the receiving buffers by the
+        # strides it saw (``empty_strided``) and a process group sends only contiguous tensors (a transposing
+        # nn.MultiheadAttention, as in torchvision's ViT, would otherwise fail in isend/irecv).
+        values: tuple[Any, ...] = tuple(_ContiguousGradient.apply(a) if _tensor_needing_grad(a) else a for a in args)
         out: Any = None
         for unit in self.units:
             out = unit(*values)
             values = out if isinstance(out, tuple) else (out,)
-        return out
+        if isinstance(out, tuple):
+            return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in out)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
+def _tensor_needing_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands a contiguous gradient to what sends it to the previous stage."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
