@@ -158,20 +158,31 @@ def compute_dtype(op: Any, args: Any, kwargs: Any) -> str:
     tensors = list(_tensors((args, kwargs)))
     if not tensors:
         return "unknown"
-    storage = {d for t in tensors for d in _storage_dtypes(t)}
     first = next((t for t in tensors if t.dtype.is_floating_point), tensors[0])
-    dtype = first.dtype
-    if storage & (_FP4 | _FP8) and any(_emulated(t) for t in tensors):
-        dtype = torch.float32  # dequantized and multiplied in fp32 (module docstring)
-    elif storage & _FP4:  # before fp8: MX fp4 operands carry float8_e8m0 scales
-        return "fp4"
-    elif storage & _FP8:
-        return "fp8"
-    if dtype == torch.float32 and first.device.type == "cuda":
-        kind = "conv" if op in _CONV_OPS else "matmul"
-        if fp32_uses_tf32(kind) and _cuda_has_tf32(first.device.index):
-            return "tf32"
+    quantized = _quantized_key(tensors)
+    if quantized in ("fp4", "fp8"):
+        return quantized
+    dtype = torch.float32 if quantized == "fp32" else first.dtype
+    if dtype == torch.float32 and _runs_in_tf32(op, first):
+        return "tf32"
     return _NAMED.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def _quantized_key(tensors: list[Any]) -> str | None:
+    """``"fp4"``/``"fp8"`` for low-precision operands, ``"fp32"`` where they are emulated, None for neither."""
+    storage = {d for t in tensors for d in _storage_dtypes(t)}
+    if storage & (_FP4 | _FP8) and any(_emulated(t) for t in tensors):
+        return "fp32"  # dequantized and multiplied in fp32 (module docstring)
+    if storage & _FP4:  # before fp8: MX fp4 operands carry float8_e8m0 scales
+        return "fp4"
+    return "fp8" if storage & _FP8 else None
+
+
+def _runs_in_tf32(op: Any, first: Any) -> bool:
+    """Whether an fp32 ``op`` on ``first``'s CUDA device runs in TF32 (its switch on, an Ampere or later device)."""
+    if first.device.type != "cuda":
+        return False
+    return fp32_uses_tf32("conv" if op in _CONV_OPS else "matmul") and _cuda_has_tf32(first.device.index)
 
 
 class FlopCounter:

@@ -108,18 +108,25 @@ def _put(out: dict[str, float], name: str, per_rank: list[float]) -> None:
 def memory_metrics(rows: list[RankMemory], cuda: bool) -> dict[str, float]:
     """The logged metrics (without prefix) from every rank's row; categories not measured yet are left out."""
     out: dict[str, float] = {}
-    if all(r.state_recorded for r in rows):
-        for name in ("params", "grads", "optimizer"):
-            _put(out, name, [getattr(r, name).total for r in rows])
-    if all(r.activations_measured for r in rows):
-        _put(out, "activations", [r.activations.total for r in rows])
-        _put(out, "param_casts", [r.param_casts for r in rows])
+    for flag, names in _MEASURED_TOGETHER:
+        if all(getattr(r, flag) for r in rows):
+            for name in names:
+                _put(out, name, [_total(getattr(r, name)) for r in rows])
     if cuda:
-        _put(out, "peak_allocated", [r.peak_allocated for r in rows])
-        _put(out, "peak_reserved", [r.peak_reserved for r in rows])
-        out["alloc_retries"] = max(r.alloc_retries for r in rows)
-        out["ooms"] = max(r.ooms for r in rows)
+        for name in ("peak_allocated", "peak_reserved"):
+            _put(out, name, [getattr(r, name) for r in rows])
+        for name in ("alloc_retries", "ooms"):  # counters: the largest, no spread
+            out[name] = max(getattr(r, name) for r in rows)
     return out
+
+
+#: Categories reported once every rank's flag says they were measured, in the logged order.
+_MEASURED_TOGETHER = (("state_recorded", ("params", "grads", "optimizer")),
+                      ("activations_measured", ("activations", "param_casts")))  # fmt: skip
+
+
+def _total(value: DtypeBytes | float) -> float:
+    return value.total if isinstance(value, DtypeBytes) else value
 
 
 def per_stage(rows: list[RankMemory], stages: list[int | None], cuda: bool) -> dict[int, dict[str, float]]:

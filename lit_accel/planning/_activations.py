@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lit_accel.meters._memory_probe import SavedTensorProbe
-from lit_accel.planning._state import sharded, tensor_dims
+from lit_accel.planning._state import tensor_dims
 from lit_accel.strategies.sharded._stages import pipeline_units, split_units
 from lit_accel.strategies.sharded._tensor_plan import head_attribute, resolve_plan
 
@@ -76,15 +76,15 @@ def _modelled(module: nn.Module, plan: ParallelPlan) -> bool:
 
 def _to_local_shards(shadow: nn.Module, plan: ParallelPlan) -> None:
     """One tensor rank's shapes: each split parameter replaced by its shard, attention head counts divided."""
-    tensor = plan.layout.tensor
-    for name, dim in tensor_dims(shadow, plan).items():
+    tensor, dims = plan.layout.tensor, tensor_dims(shadow, plan)
+    for name, dim in dims.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = shadow.get_submodule(owner_name)
         param = getattr(owner, leaf)
         shape = list(param.shape)
         shape[dim] = -(-shape[dim] // tensor)
         setattr(owner, leaf, nn.Parameter(torch.empty(shape, dtype=param.dtype), requires_grad=param.requires_grad))
-    for parent_name in {name.rpartition(".")[0].rpartition(".")[0] for name in tensor_dims(shadow, plan)}:
+    for parent_name in {name.rpartition(".")[0].rpartition(".")[0] for name in dims}:
         parent = shadow.get_submodule(parent_name)
         heads = head_attribute(parent)
         if heads is not None:
@@ -150,7 +150,7 @@ def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan 
     micro = 1 if plan is None or pipeline == 1 else plan.microbatches or 2 * plan.num_stages
     autocast = _AUTOCAST.get(precision)
     # FSDP computes in its MixedPrecisionPolicy's dtype (the autocast one): the gathered parameters are low precision
-    params_dtype = _TRUE.get(precision) or (autocast if plan is not None and sharded(plan) else None)
+    params_dtype = _TRUE.get(precision) or (autocast if plan is not None and plan.sharded else None)
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # (a metric's real state meets the fake outputs)
     shadow = _fake_copy(module, mode, params_dtype)
     with mode:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["optimizer_bytes", "sharded", "state_bytes", "tensor_dims"]
+__all__ = ["optimizer_bytes", "state_bytes", "tensor_dims"]
 
 # the dim of a weight each named style shards, by module class (torch's ColwiseParallel/RowwiseParallel)
 _SHARDED_DIM = {("colwise", nn.Linear): 0, ("rowwise", nn.Linear): 1, ("colwise", nn.Embedding): 1,
@@ -51,9 +51,10 @@ def _configured(owner: str, module: pl.LightningModule, world_size: int) -> Any:
     """``configure_optimizers()``, with a stand-in trainer when the module has none (it only builds the optimizer)."""
     try:
         module.trainer  # noqa: B018  (raises when the module is not attached)
-        return module.configure_optimizers()
     except RuntimeError:
         pass
+    else:
+        return module.configure_optimizers()  # attached: its own trainer (left attached)
     module.trainer = _TrainerBeforeLaunch(world_size)  # type: ignore[assignment]
     try:
         return module.configure_optimizers()
@@ -132,12 +133,6 @@ def _local_numel(shape: torch.Size, tensor_dim: int | None, tensor: int, shards:
     return math.prod(dims)
 
 
-def sharded(plan: ParallelPlan) -> bool:
-    """Whether the build applies FSDP: always but for a pipeline over one data rank without tensor or offload."""
-    layout = plan.layout
-    return layout.pipeline == 1 or layout.data > 1 or layout.tensor > 1 or plan.cpu_offload
-
-
 def state_bytes(
     module: nn.Module, plan: ParallelPlan | None, dtype: torch.dtype, optimizer: dict[str, tuple[float, float]]
 ) -> dict[str, float]:
@@ -147,7 +142,7 @@ def state_bytes(
     if plan is None:
         return _totals(params, None, {}, 1, 1, size, optimizer)
     layout = plan.layout
-    shards = layout.data_shard if sharded(plan) else 1
+    shards = layout.data_shard if plan.sharded else 1
     dims = tensor_dims(module, plan) if layout.tensor > 1 else {}
     ranks = [_totals(params, _owned_names(module, plan, pp), dims, layout.tensor, shards, size, optimizer)
              for pp in range(layout.pipeline)]  # fmt: skip

@@ -131,3 +131,18 @@ def test_the_strategy_reads_its_layout_from_the_plan_it_built():
     for result in run_distributed(_fit_plan, 2, init_process_group=False, timeout=120):
         assert result["plan"] == "pipeline 2 x data 1 (sharded) x tensor 1 = 2 processes; schedule 1f1b, 2 stages"
         assert result["layout"].sizes == (2, 1, 1, 1) and result["steps"] == 1
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "sharded"),
+    [
+        (1, {}, True),  # AccelFSDP's layout: FSDP even over one rank
+        (4, {"pipeline_parallel": 2}, True),  # pp2 x dp2
+        (2, {"pipeline_parallel": 2}, False),  # a pipeline over one data rank: nothing to shard
+        (4, {"pipeline_parallel": 2, "tensor_parallel": 2}, True),  # every parameter a DTensor under TP
+        (2, {"pipeline_parallel": 2, "cpu_offload": True}, True),  # offloading is FSDP's
+    ],
+)
+def test_whether_the_model_is_sharded_is_the_plans_one_rule(world, kwargs, sharded):
+    # the build (_build.py) and the planner (lit_accel.plan) both read it
+    assert ParallelPlan.build("t", world, **kwargs).sharded is sharded

@@ -139,11 +139,7 @@ def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule
                  config: BuildConfig) -> tuple[list[nn.Module], list[nn.Module]]:  # fmt: skip
     """This rank's blocks compiled, checkpointed and sharded (in that order): (FSDP roots, every sharded module)."""
     plan = config.plan
-    # Only a pipeline over one data rank leaves FSDP out. Without a pipeline even one data rank shards (AccelFSDP's
-    # layout, one code path); with a tensor dimension every parameter is then a DTensor, since torch's fp16 unscale
-    # cannot take plain and distributed gradients in one call. Offloading is FSDP's too.
-    layout = plan.layout
-    shards = layout.pipeline == 1 or layout.data > 1 or layout.tensor > 1 or plan.cpu_offload
+    shards = plan.sharded
     wanted = shards or config.compile_blocks is not None or plan.activation_checkpointing is True
     # this rank's blocks (the other stages' are pruned)
     blocks = _blocks.find_blocks(owner, module, plan.shard_policy) if wanted else []

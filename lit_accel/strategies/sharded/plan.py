@@ -137,6 +137,16 @@ class ParallelPlan:
         """Pipeline stages in all (1 without a pipeline)."""
         return self.layout.pipeline * self.stages_per_rank
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is FSDP-sharded: always, but for a pipeline over one data rank without tensor or offload.
+
+        Without a pipeline even one data rank shards (AccelFSDP's layout, one code path); with a tensor dimension every
+        parameter is then a DTensor, since torch's fp16 unscale cannot take plain and distributed gradients in one call.
+        """
+        layout = self.layout
+        return layout.pipeline == 1 or layout.data > 1 or layout.tensor > 1 or self.cpu_offload
+
     def stage_ids(self, pipeline_rank: int) -> list[int]:
         """The stages a pipeline rank holds: looped ``(r, r + p, ...)``, or a V's ``(r, 2p - 1 - r)``."""
         pipeline = self.layout.pipeline
