@@ -165,8 +165,10 @@ class SavedTensorProbe:
                 return "activation"
             leaf = getattr(node, "variable", None)  # AccumulateGrad: the chain reached a leaf (a parameter)
             if leaf is not None:
-                if _local(leaf).untyped_storage() is storage:
-                    return "param"  # FSDP2's unsharded parameter, through a transpose or view
+                # FSDP2's unsharded parameter, through a transpose or view (a pipeline stage's received input is a
+                # leaf too, but an activation)
+                if isinstance(leaf, nn.Parameter) and _local(leaf).untyped_storage() is storage:
+                    return "param"
                 whole = storage.nbytes() == leaf.numel() * tensor.element_size()
                 return "cast" if cast and whole else "activation"
             inputs = [n for n, _ in node.next_functions if n is not None]

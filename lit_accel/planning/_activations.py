@@ -7,7 +7,8 @@ their casts apart) counts the bytes. Under a pipeline the forward runs on one mi
 tensors are booked to its stage (the loss to the last), a rank holding the sum of its stages. Under tensor parallelism
 the copy holds one rank's shards (a column-wise ``Linear`` with its rows split, a row-wise one with its columns, an
 attention's head count divided, as ``apply_plan`` does), so the forward computes the shapes a rank computes; a plan
-with other styles (sequence parallel, torch style objects) is not modelled (``None``).
+with other styles (sequence parallel, torch style objects) is not modelled (``None``). Activation checkpointing is
+applied to the copy's blocks as the strategy applies it, so what the checkpointed blocks do not save is not counted.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from torch.utils._pytree import tree_map
 
 from lit_accel.meters._memory_probe import SavedTensorProbe
 from lit_accel.planning._state import tensor_dims
+from lit_accel.strategies.parts._blocks import find_blocks
+from lit_accel.strategies.parts._micro_batches import batch_length
+from lit_accel.strategies.parts.batch_plan import make_batch_plan
+from lit_accel.strategies.sharded._fsdp_sharding import checkpoint_blocks
+from lit_accel.strategies.sharded._pipeline_batch import pipeline_split
 from lit_accel.strategies.sharded._stages import pipeline_units, split_units
 from lit_accel.strategies.sharded._tensor_plan import head_attribute, resolve_plan
 
@@ -34,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["activation_bytes"]
 
+OWNER = "lit_accel.plan"
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
 _TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
@@ -70,7 +77,7 @@ def _modelled(module: nn.Module, plan: ParallelPlan) -> bool:
     """Whether the tensor plan (if any) has only the column- and row-wise styles the copy can take."""
     if plan.layout.tensor == 1:
         return True
-    styles = resolve_plan("lit_accel.plan", module, plan.tensor_plan, plan.layout.tensor)
+    styles = resolve_plan(OWNER, module, plan.tensor_plan, plan.layout.tensor)
     return all(style in ("colwise", "rowwise") for style in styles.values())
 
 
@@ -123,10 +130,12 @@ def _per_stage(shadow: pl.LightningModule, batch: Any, plan: ParallelPlan) -> di
     """Saved bytes of each stage for one micro-batch (the loss counted with the last stage)."""
     units = pipeline_units(shadow)
     names = [name for name, _ in units]
-    starts = split_units("lit_accel.plan", names, units, plan.num_stages, plan.stage_split)
+    starts = split_units(OWNER, names, units, plan.num_stages, plan.stage_split)
     stage_of = {id(unit): sum(1 for s in starts if s <= i) - 1 for i, (_, unit) in enumerate(units)}
     books = _StageBooks(list(shadow.parameters()))
-    handles = [unit.register_forward_pre_hook(lambda m, _: books.enter(stage_of[id(m)])) for _, unit in units]
+    # first: a stage's probe must be outside the saved-tensor hooks of a checkpointed unit's own pre-hook
+    handles = [unit.register_forward_pre_hook(lambda m, _: books.enter(stage_of[id(m)]), prepend=True)
+               for _, unit in units]  # fmt: skip
     try:
         books.enter(0)
         _step(shadow, batch)
@@ -147,7 +156,10 @@ def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     pipeline = 1 if plan is None else plan.layout.pipeline
-    micro = 1 if plan is None or pipeline == 1 else plan.microbatches or 2 * plan.num_stages
+    micro = 1
+    if plan is not None and pipeline > 1:  # the strategy's count, refused as it refuses one the batch cannot take
+        micro = pipeline_split(plan, None)["micro_batches"]
+        make_batch_plan(None, batch_length(batch), 1, micro_batches=micro, even_micro_batches=True, owner=OWNER)
     autocast = _AUTOCAST.get(precision)
     # FSDP computes in its MixedPrecisionPolicy's dtype (the autocast one): the gathered parameters are low precision
     params_dtype = _TRUE.get(precision) or (autocast if plan is not None and plan.sharded else None)
@@ -156,6 +168,9 @@ def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan 
     with mode:
         if plan is not None and plan.layout.tensor > 1:
             _to_local_shards(shadow, plan)
+        if plan is not None and plan.activation_checkpointing is not False:  # as the strategy's build does
+            blocks = find_blocks(OWNER, shadow, plan.shard_policy) if plan.activation_checkpointing is True else []
+            checkpoint_blocks(OWNER, shadow, blocks, plan.activation_checkpointing)
         fake_batch = _fake_batch(batch, _TRUE.get(precision), micro)
         context = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
         with context:

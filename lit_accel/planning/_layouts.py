@@ -2,8 +2,9 @@
 
 Each name is the strategy a user would write: ``"ddp"`` is ``AccelDDP()``, ``"fsdp"`` ``AccelFSDP()``, and a product
 of ``pp``/``dp``/``tp`` sizes ``AccelParallel(pipeline_parallel=..., tensor_parallel=...)`` with the data size what
-the others leave (``dp`` named only beside another dimension, as in ``"pp2xdp2"``). The plan is the strategy's own
-``ParallelPlan``, built by the same checks, so a layout a strategy would refuse is refused here with its message.
+the others leave (``dp`` named only beside another dimension, as in ``"pp2xdp2"``); ``"+ac"`` after a sharded name
+adds ``activation_checkpointing=True``. The plan is the strategy's own ``ParallelPlan``, built by the same checks, so
+a layout a strategy would refuse is refused here with its message.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lit_accel.strategies.sharded.plan import ParallelPlan
 __all__ = ["Candidate", "candidates", "parse"]
 
 _NAME = re.compile(r"^(?:pp(\d+))?x?(?:dp(\d+))?x?(?:tp(\d+))?$")
+_AC = "+ac"
 
 
 @dataclass(frozen=True)
@@ -48,35 +50,42 @@ def parse(owner: str, name: str, world_size: int) -> Candidate:
     Raises:
         ValueError: a name that is none of ``ddp``, ``fsdp`` or a product of ``ppN``/``dpN``/``tpN``.
     """
-    if name in ("ddp", "fsdp"):
-        kind = name
-        sizes = {}
+    base, checkpointed = (name[: -len(_AC)], True) if name.endswith(_AC) else (name, False)
+    kwargs: dict[str, Any] = {"activation_checkpointing": True} if checkpointed else {}
+    if base in ("ddp", "fsdp"):
+        kind = base
     else:
-        match = _NAME.match(name)
-        if not name or match is None or not any(match.groups()):
+        match = _NAME.match(base)
+        if not base or match is None or not any(match.groups()):
             raise ValueError(
                 f"{owner}(layouts=[{name!r}]): not a layout name. Fix: 'ddp', 'fsdp' or sizes joined by 'x', e.g."
-                " 'pp2', 'tp2', 'dp2xtp2', 'pp2xdp2'."
+                " 'pp2', 'tp2', 'dp2xtp2', 'pp2xdp2', each sharded one optionally with '+ac'."
             )
         pipeline, data, tensor = (int(g) if g else 1 for g in match.groups())
         if data > 1 and pipeline * data * tensor != world_size:
-            return Candidate(name, "parallel", {}, None, f"{name} needs {pipeline * data * tensor} processes, not"
+            return Candidate(name, "parallel", {}, None, f"{base} needs {pipeline * data * tensor} processes, not"
                              f" {world_size}")  # fmt: skip
-        kind, sizes = "parallel", {"pipeline_parallel": pipeline, "tensor_parallel": tensor}
+        kind = "parallel"
+        kwargs.update(pipeline_parallel=pipeline, tensor_parallel=tensor)
     if kind == "ddp":
-        return Candidate(name, kind, {}, None)
+        refused = "AccelDDP has no activation checkpointing. Fix: 'fsdp+ac'." if checkpointed else None
+        return Candidate(name, kind, {}, None, refused)
     try:
-        plan = ParallelPlan.build(owner, world_size, **sizes)
+        plan = ParallelPlan.build(owner, world_size, **kwargs)
     except (ValueError, TypeError) as error:
-        return Candidate(name, kind, sizes, None, str(error))
-    return Candidate(name, kind, sizes, plan)
+        return Candidate(name, kind, kwargs, None, str(error))
+    return Candidate(name, kind, kwargs, plan)
 
 
 def candidates(owner: str, world_size: int) -> list[Candidate]:
-    """Every layout of ``world_size`` processes: ``ddp``, ``fsdp``, then each pipeline x tensor split."""
-    names = ["ddp", "fsdp"]
+    """Every layout of ``world_size`` processes: ``ddp``, ``fsdp``, each pipeline x tensor split (sharded ones twice).
+
+    Each sharded layout comes again with activation checkpointing (``"+ac"``).
+    """
+    names = ["fsdp"]
     for pipeline in [1, *_divisors(world_size)]:
         for tensor in [1, *_divisors(world_size // pipeline)]:
             if pipeline * tensor > 1:
                 names.append(_name(pipeline, world_size // (pipeline * tensor), tensor))
+    names = ["ddp", *[n for name in names for n in (name, name + _AC)]]
     return [parse(owner, name, world_size) for name in names]

@@ -2,9 +2,9 @@
 
 Each row holds the model state (parameters, gradients, optimizer state; ``_state.py``) and the activations of one
 forward (``_activations.py``) of a layout's largest rank, through the strategies' own plans and refusals
-(``_layouts.py``). ``peak_mb`` is their sum (transient buffers, FSDP's gathered blocks and the allocator's slack are
-not modelled yet); tensor-parallel activations, the step time and the ranking by speed are the next parts. What is
-modelled and the measured error: ``docs/plan.md``.
+(``_layouts.py``), activation checkpointing (``"+ac"`` rows) included. ``peak_mb`` is their sum (transient buffers,
+FSDP's gathered blocks and the allocator's slack are not modelled yet); CPU offload, the step time and the ranking by
+speed are the next parts. What is modelled and the measured error: ``docs/plan.md``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class PlanRow:
         if self.kind == "ddp":
             return AccelDDP()
         if self.kind == "fsdp":
-            return AccelFSDP()
+            return AccelFSDP(**self.kwargs)
         return AccelParallel(**self.kwargs)
 
 
@@ -133,8 +133,8 @@ def plan(
 
     ``batch``: one device's loaded batch (``None``: no activations). ``memory_per_device``: bytes one device offers
     (a layout whose predicted peak, or state alone, exceeds it is refused). ``layouts``: names to plan (default: every
-    layout of the world: ``"ddp"``, ``"fsdp"``, ``"pp2"``, ``"tp2"``, ``"dp2xtp2"``, ...). The module may be on the
-    meta device: nothing is allocated.
+    layout of the world: ``"ddp"``, ``"fsdp"``, ``"pp2"``, ``"tp2"``, ``"dp2xtp2"``, ..., each sharded one also with
+    ``"+ac"``). The module may be on the meta device: nothing is allocated.
 
     Raises:
         ValueError: a bad world size, precision or layout name. TypeError: ``configure_optimizers`` gives no optimizer.

@@ -373,3 +373,18 @@ def test_the_hook_before_the_step_runs_only_around_logging_steps_and_records_the
     logged = fit(MemoryMonitor(print_summary=False), ours)
     assert logged == reference and len(logged) == 3  # two logging steps and the end of fit: the same figures
     assert all(awake) and sum(ours) <= 2 * 3 * accumulation + 2  # awake only around the 2 logging steps (+ the end)
+
+
+def test_a_pipeline_stages_received_input_is_an_activation_not_a_parameter():
+    """A stage's input is a leaf that requires grad (its gradient goes back to the previous stage), reached through a
+    view as FSDP2's unsharded parameters are: it is an activation (it was booked as a parameter, so every pipeline's
+    activations were a micro-batch's input short)."""
+    from lit_accel.meters._memory_probe import SavedTensorProbe
+
+    layer = nn.Linear(5, 3, bias=False)
+    received = torch.randn(4, 5, requires_grad=True)
+    probe = SavedTensorProbe(layer.parameters())
+    probe.start()
+    layer(received.view_as(received)).sum()  # the Linear saves its input (and its weight: a parameter)
+    activations, casts = probe.stop()
+    assert activations.total == received.numel() * 4 and casts == 0
