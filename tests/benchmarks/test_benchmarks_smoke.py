@@ -227,3 +227,19 @@ def test_lockstep_turns_alternate_one_step_each_and_a_failing_job_neither_hangs_
     with pytest.raises(RuntimeError, match="job 1 failed"):
         _lockstep.run_in_turns([job(4), job(4, fail_at=1)])
     assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (0, 3)]
+
+
+@pytest.mark.slow
+def test_plan_cost_tiny_plans_every_case_and_the_gpt_state_is_the_closed_form(tmp_path):
+    result, _ = _run("plan_cost.py", tmp_path, "--tiny")
+    cases = {case["case"]: case for case in result["cases"]}
+    assert set(cases) == {"vit_example-2", "vit_example-8", "gpt_7b-64"}
+    for case in cases.values():
+        assert case["layouts"] > case["refused"] >= 0 and case["seconds"] > 0
+    # the ViT example has no pipeline_loss: its pipeline rows are refused, the others planned
+    rows = {row["name"]: row for row in cases["vit_example-2"]["rows"]}
+    assert rows["pp2"]["refused"] and rows["fsdp+ac"]["refused"] is None
+    # the tiny GPT's vocabulary and widths do not divide 64 shards: FSDP's rounded-up shards stay within a few %
+    errors = cases["gpt_7b-64"]["closed_form_error"]
+    assert all(abs(e) < 1e-3 for e in errors["ddp"].values()), errors
+    assert all(0 <= e < 0.05 for e in errors["fsdp"].values()), errors

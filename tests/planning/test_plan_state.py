@@ -172,3 +172,8 @@ def test_a_layout_whose_state_does_not_fit_is_refused_and_a_7b_model_plans_on_th
     assert planned["fsdp"].memory_mb["params_mb"] == pytest.approx(params * 4 / 64 / 1e6, rel=1e-3)
     assert planned["ddp"].fits is False and "alone takes" in planned["ddp"].refused
     assert planned.best is not None and planned.best.name != "ddp"
+
+
+def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_them():
+    refused = plan(GPT(heads=4), world_size=8, layouts=["tp8"])["tp8"].refused
+    assert "'blocks.0.attn' has n_head=4, not a multiple of tensor_parallel=8" in refused and "Fix:" in refused

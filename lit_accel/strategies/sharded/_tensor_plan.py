@@ -98,9 +98,11 @@ def auto_plan(owner: str, model: nn.Module, tensor: int) -> dict[str, str]:
         if attention is not None:
             heads = next((h for h in _HEADS if isinstance(getattr(module, h, None), int)), None)
             if heads is None or getattr(module, heads) % tensor:
+                found = "no head count" if heads is None else f"{heads}={getattr(module, heads)}"
                 raise ValueError(
-                    f"{owner}(tensor_plan='auto'): attention module {prefix!r} has no head count (one of {_HEADS})"
-                    f" divisible by tensor_parallel={tensor}. Fix: pass an explicit tensor_plan."
+                    f"{owner}(tensor_plan='auto'): attention module {prefix!r} has {found}, not a multiple of"
+                    f" tensor_parallel={tensor} (head counts: one of {_HEADS}). Fix: a tensor_parallel that divides"
+                    " the heads, or an explicit tensor_plan."
                 )
             plan.update({f"{dot}{name}": "colwise" for name in attention[0]})
             plan[f"{dot}{attention[1]}"] = "rowwise"
