@@ -17,13 +17,16 @@ import contextlib
 import copy
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lit_accel.meters._memory_probe import SavedTensorProbe
+from lit_accel.planning._peak import StepPeak, step_peak
 from lit_accel.planning._state import tensor_dims
 from lit_accel.strategies.parts._blocks import find_blocks
 from lit_accel.strategies.parts._micro_batches import batch_length
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
 
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["activation_bytes"]
+__all__ = ["Activations", "activation_bytes", "step_transients"]
 
 OWNER = "lit_accel.plan"
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
@@ -126,16 +129,21 @@ def _step(shadow: pl.LightningModule, batch: Any) -> None:
         shadow.training_step(batch, 0)
 
 
-def _per_stage(shadow: pl.LightningModule, batch: Any, plan: ParallelPlan) -> dict[int, float]:
-    """Saved bytes of each stage for one micro-batch (the loss counted with the last stage)."""
+def _per_stage(shadow: pl.LightningModule, batch: Any, plan: ParallelPlan) -> tuple[dict[int, float], float]:
+    """Saved bytes of each stage for one micro-batch (the loss with the last stage), and the last unit's output bytes.
+
+    (The schedule keeps the last stage's output of every micro-batch until the step ends.)
+    """
     units = pipeline_units(shadow)
     names = [name for name, _ in units]
     starts = split_units(OWNER, names, units, plan.num_stages, plan.stage_split)
     stage_of = {id(unit): sum(1 for s in starts if s <= i) - 1 for i, (_, unit) in enumerate(units)}
     books = _StageBooks(list(shadow.parameters()))
+    output: list[float] = []
     # first: a stage's probe must be outside the saved-tensor hooks of a checkpointed unit's own pre-hook
     handles = [unit.register_forward_pre_hook(lambda m, _: books.enter(stage_of[id(m)]), prepend=True)
                for _, unit in units]  # fmt: skip
+    handles.append(units[-1][1].register_forward_hook(lambda m, i, out: output.append(_nbytes(out))))
     try:
         books.enter(0)
         _step(shadow, batch)
@@ -143,21 +151,37 @@ def _per_stage(shadow: pl.LightningModule, batch: Any, plan: ParallelPlan) -> di
     finally:
         for handle in handles:
             handle.remove()
-    return books.bytes
+    return books.bytes, sum(output)
 
 
-def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str) -> float | None:
-    """Bytes autograd saves in one forward on the largest rank (one micro-batch under a pipeline); None: unknown.
+def _nbytes(value: Any) -> float:
+    return float(sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor)))
 
-    ``batch``: one device's loaded batch. ``plan``: ``None`` for DDP.
+
+def _in_flight(plan: ParallelPlan, stage: int, micro: int) -> int:
+    """Micro-batches whose activations ``stage`` holds at once.
+
+    All under GPipe; else (1F1B and its kin) as many as the stages from it to the last (its warm-up forwards).
     """
-    if batch is None or (plan is not None and not _modelled(module, plan)):
-        return None
+    return micro if plan.schedule.name == "gpipe" else min(micro, plan.num_stages - stage)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The largest rank's activations: one micro-batch's (the MemoryMonitor's figure) and at the step's peak."""
+
+    #: bytes autograd saves in one forward (one micro-batch under a pipeline)
+    per_micro_batch: float
+    #: bytes held at once: a pipeline's in-flight micro-batches, and the last stage's outputs of every micro-batch
+    held: float
+
+
+def _prepared(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str) -> tuple[Any, ...]:
+    """``(mode, shadow, fake batch, autocast context)``: one rank's fake copy, as the layout's build would leave it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    pipeline = 1 if plan is None else plan.layout.pipeline
     micro = 1
-    if plan is not None and pipeline > 1:  # the strategy's count, refused as it refuses one the batch cannot take
+    if plan is not None and plan.layout.pipeline > 1:  # the strategy's count, refused as it refuses a batch
         micro = pipeline_split(plan, None)["micro_batches"]
         make_batch_plan(None, batch_length(batch), 1, micro_batches=micro, even_micro_batches=True, owner=OWNER)
     autocast = _AUTOCAST.get(precision)
@@ -172,16 +196,49 @@ def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan 
             blocks = find_blocks(OWNER, shadow, plan.shard_policy) if plan.activation_checkpointing is True else []
             checkpoint_blocks(OWNER, shadow, blocks, plan.activation_checkpointing)
         fake_batch = _fake_batch(batch, _TRUE.get(precision), micro)
-        context = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
-        with context:
-            if pipeline > 1:
-                assert plan is not None
-                stages = _per_stage(shadow, fake_batch, plan)
-                return max(sum(stages[s] for s in plan.stage_ids(rank)) for rank in range(pipeline))
-            probe = SavedTensorProbe(shadow.parameters())
-            probe.start()
-            try:
-                _step(shadow, fake_batch)
-            finally:
-                saved = probe.stop()[0].total
-    return saved
+    context = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+    return mode, shadow, fake_batch, context
+
+
+def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None,
+                     precision: str) -> Activations | None:  # fmt: skip
+    """The largest rank's activations (``Activations``); None: unknown (no batch, or a tensor plan not modelled).
+
+    ``batch``: one device's loaded batch. ``plan``: ``None`` for DDP.
+    """
+    if batch is None or (plan is not None and not _modelled(module, plan)):
+        return None
+    mode, shadow, fake_batch, context = _prepared(module, batch, plan, precision)
+    with mode, context:
+        if plan is not None and plan.layout.pipeline > 1:
+            return _pipeline_activations(plan, *_per_stage(shadow, fake_batch, plan), batch_length(batch))
+        probe = SavedTensorProbe(shadow.parameters())
+        probe.start()
+        try:
+            _step(shadow, fake_batch)
+        finally:
+            saved = probe.stop()[0].total
+    return Activations(saved, saved)
+
+
+def _pipeline_activations(plan: ParallelPlan, stages: dict[int, float], output: float, loaded: int) -> Activations:
+    micro = pipeline_split(plan, None)["micro_batches"]
+    last = plan.num_stages - 1
+    ranks = [plan.stage_ids(rank) for rank in range(plan.layout.pipeline)]
+    one = max(sum(stages[s] for s in ids) for ids in ranks)
+    held = max(sum(stages[s] * _in_flight(plan, s, micro) + (output * micro if s == last else 0.0) for s in ids)
+               for ids in ranks)  # fmt: skip
+    return Activations(one, held)
+
+
+def step_transients(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str,
+                    optimizer_of: Callable[[nn.Module], torch.optim.Optimizer]) -> StepPeak | None:  # fmt: skip
+    """One rank's training step at its peak (``_peak.py``; under a pipeline, the whole model on one micro-batch).
+
+    ``optimizer_of``: the module's optimizer over a copy's parameters. None where activations are not modelled.
+    """
+    if batch is None or (plan is not None and not _modelled(module, plan)):
+        return None
+    mode, shadow, fake_batch, context = _prepared(module, batch, plan, precision)
+    with mode, context:
+        return step_peak(shadow, fake_batch, optimizer_of(shadow))

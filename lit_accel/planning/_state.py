@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
+from lit_accel.strategies.parts._blocks import find_blocks
 from lit_accel.strategies.sharded._stages import pipeline_units, split_units, stage_ranges
 from lit_accel.strategies.sharded._tensor_plan import resolve_plan
 from lit_accel.utilities._memory import meta_step_states
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["optimizer_bytes", "state_bytes", "tensor_dims"]
+__all__ = ["gathered_bytes", "optimizer_bytes", "state_bytes", "tensor_dims", "the_optimizer"]
 
 # the dim of a weight each named style shards, by module class (torch's ColwiseParallel/RowwiseParallel)
 _SHARDED_DIM = {("colwise", nn.Linear): 0, ("rowwise", nn.Linear): 1, ("colwise", nn.Embedding): 1,
@@ -67,7 +68,7 @@ def _configured(owner: str, module: pl.LightningModule, world_size: int) -> Any:
         module.trainer = None  # type: ignore[assignment]
 
 
-def _the_optimizer(owner: str, module: pl.LightningModule, world_size: int) -> torch.optim.Optimizer:
+def the_optimizer(owner: str, module: pl.LightningModule, world_size: int) -> torch.optim.Optimizer:
     """The first optimizer ``configure_optimizers`` returns (any of Lightning's return forms)."""
     found: Any = _configured(owner, module, world_size)
     if isinstance(found, dict):
@@ -90,7 +91,7 @@ def optimizer_bytes(owner: str, module: pl.LightningModule, world_size: int) -> 
     """Per parameter name: (bytes per element of its state, bytes of its scalar state) after one optimizer step."""
     names = {id(p): n for n, p in module.named_parameters()}
     out = {}
-    for param, state in meta_step_states(_the_optimizer(owner, module, world_size)):
+    for param, state in meta_step_states(the_optimizer(owner, module, world_size)):
         per_element = sum(t.element_size() for t in state if t.numel() == param.numel() > 1)
         scalar = sum(t.numel() * t.element_size() for t in state if not (t.numel() == param.numel() > 1))
         out[names.get(id(param), str(id(param)))] = (float(per_element), float(scalar))
@@ -162,3 +163,24 @@ def _totals(params: dict[str, nn.Parameter], owned: set[str] | None, dims: dict[
         per_element, scalar = optimizer.get(name, (0.0, 0.0))
         out["optimizer"] += local * per_element + scalar
     return out
+
+
+def gathered_bytes(module: nn.Module, plan: ParallelPlan | None, params: float, dtype: torch.dtype) -> float:
+    """Bytes of unsharded parameters FSDP holds at a step's peak on the largest rank (0 without data sharding).
+
+    ``params``: the rank's sharded parameter bytes (``state_bytes``). ZeRO-3 (resharding after the forward) holds the
+    root's own parameters (never resharded) and two blocks (the one computing and the one prefetched); without
+    resharding (a pipeline's stages) the rank's whole stage stays gathered. In ``dtype``, FSDP's compute dtype.
+    """
+    if plan is None or not plan.sharded or plan.layout.data_shard == 1:
+        return 0.0
+    tensor, pipeline = plan.layout.tensor, plan.layout.pipeline
+    per = torch.empty((), dtype=dtype).element_size()
+    stored = next((p.element_size() for p in module.parameters()), per)
+    unsharded = params * plan.layout.data_shard * per / stored  # the rank's piece, gathered
+    if not plan.reshard_after_forward:
+        return unsharded
+    found = find_blocks("lit_accel.plan", module, plan.shard_policy)
+    blocks = [sum(p.numel() for p in block.parameters()) * per / tensor for block in found]
+    root = max(0.0, unsharded - sum(blocks) / pipeline)
+    return root + 2 * max(blocks, default=0.0)

@@ -2,9 +2,11 @@
 
 Each row holds the model state (parameters, gradients, optimizer state; ``_state.py``) and the activations of one
 forward (``_activations.py``) of a layout's largest rank, through the strategies' own plans and refusals
-(``_layouts.py``), activation checkpointing (``"+ac"`` rows) included. ``peak_mb`` is their sum (transient buffers,
-FSDP's gathered blocks and the allocator's slack are not modelled yet); CPU offload, the step time and the ranking by
-speed are the next parts. What is modelled and the measured error: ``docs/plan.md``.
+(``_layouts.py``), activation checkpointing (``"+ac"`` rows) included. ``peak_mb`` is the tensors alive at the rank's
+step's peak (``_peak.py``): the state, the activations held (a pipeline's in-flight micro-batches), the step's
+temporaries and FSDP's gathered parameters; the runtime's own memory (kernels' scratch, the allocator's slack) is not
+in it. CPU offload, the step time and the ranking by speed are the next parts. What is modelled and the measured
+error: ``docs/plan.md``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_accel.planning._activations import activation_bytes
+from lit_accel.planning._activations import Activations, activation_bytes, step_transients
 from lit_accel.planning._layouts import Candidate, candidates, parse
-from lit_accel.planning._state import optimizer_bytes, state_bytes
+from lit_accel.planning._peak import StepPeak, in_child
+from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
 from lit_accel.strategies.sharded._checks import check_pipeline_loss
 from lit_accel.utilities._units import format_bytes
 from lit_accel.utilities._validation import check_choice, check_int
@@ -35,6 +38,7 @@ __all__ = ["Plan", "PlanRow", "plan"]
 _PARAM_DTYPES = {"32-true": torch.float32, "32": torch.float32, "64-true": torch.float64, "bf16-true": torch.bfloat16,
                  "16-true": torch.float16, "bf16-mixed": torch.float32, "16-mixed": torch.float32,
                  "fp8-mixed": torch.float32}  # fmt: skip
+_AUTOCAST_PARAMS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
 _STATE_KEYS = ("params_mb", "grads_mb", "optimizer_mb")
 OWNER = "lit_accel.plan"
 
@@ -45,8 +49,9 @@ class PlanRow:
 
     ``memory_mb`` has the ``MemoryMonitor``'s keys (``params_mb``, ``grads_mb``, ``optimizer_mb``,
     ``activations_mb``; MB = 1e6 bytes), each the maximum over ranks; ``activations_mb`` and ``peak_mb`` are ``None``
-    where activations are not predicted (no batch given, tensor parallel). ``refused`` says why a layout is out
-    (sizes, a strategy's guard, no room).
+    where activations are not predicted (no batch given, a tensor plan with other styles). ``peak_mb`` is the
+    tensors alive at the largest rank's step's peak (by part in ``peak_parts_mb``). ``refused`` says why a layout is
+    out (sizes, a strategy's guard, no room).
     """
 
     name: str
@@ -59,6 +64,9 @@ class PlanRow:
     refused: str | None = None
     kind: str = "parallel"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: ``peak_mb`` by part: the state at the peak (gradients as far as they are alive), the activations held (a
+    #: pipeline's in-flight micro-batches), the step's temporaries and FSDP's gathered parameters
+    peak_parts_mb: dict[str, float] = field(default_factory=dict)
 
     @property
     def state_mb(self) -> float | None:
@@ -100,7 +108,8 @@ class Plan:
     def to_json(self) -> str:
         """The report: world, precision and every row (its plan as ``describe()``)."""
         rows = [{"name": r.name, "plan": r.plan.describe() if r.plan else None, "memory_mb": r.memory_mb,
-                 "peak_mb": r.peak_mb, "fits": r.fits, "refused": r.refused} for r in self.rows]  # fmt: skip
+                 "peak_mb": r.peak_mb, "peak_parts_mb": r.peak_parts_mb, "fits": r.fits, "refused": r.refused}
+                for r in self.rows]  # fmt: skip
         return json.dumps({"world_size": self.world_size, "precision": self.precision, "rows": rows}, indent=2)
 
     def __str__(self) -> str:
@@ -144,31 +153,80 @@ def plan(
     check_choice(owner, "precision", precision, tuple(_PARAM_DTYPES), "'32-true'")
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
     optimizer = optimizer_bytes(owner, module, world_size)
-    rows = [_row(module, batch, candidate, precision, optimizer, memory_per_device) for candidate in found]
+
+    def measure() -> list[_Measured]:
+        steps: dict[tuple, StepPeak | None] = {}
+        return [_measure(module, batch, candidate, precision, optimizer, steps) for candidate in found]
+
+    # fake tensors, once used, make this process's next real backward start autograd's device threads, after which
+    # no forked child can train (Lightning's fork start methods): the fake work runs in a child of its own
+    measured = measure() if batch is None else in_child(measure)
+    rows = [_row(module, candidate, result, precision, memory_per_device) for candidate, result in zip(found, measured)]
     return Plan(rows, world_size, precision)
 
 
-def _row(module: pl.LightningModule, batch: Any, candidate: Candidate, precision: str,
-         optimizer: dict[str, tuple[float, float]], memory_per_device: float | None) -> PlanRow:  # fmt: skip
-    row = PlanRow(candidate.name, candidate.plan, refused=candidate.refused, kind=candidate.kind,
-                  kwargs=candidate.kwargs)  # fmt: skip
-    if row.refused is not None:
-        return row
+#: a layout's (model state, activations, step's peak, refusal): what the fake work measures, all picklable
+_Measured = tuple["dict[str, float] | None", "Activations | None", "StepPeak | None", "str | None"]
+
+
+def _measure(module: pl.LightningModule, batch: Any, candidate: Candidate, precision: str,
+             optimizer: dict[str, tuple[float, float]], steps: dict[tuple, StepPeak | None]) -> _Measured:  # fmt: skip
+    if candidate.refused is not None:
+        return None, None, None, candidate.refused
+    plan = candidate.plan
     try:
-        if candidate.plan is not None:
-            check_pipeline_loss(OWNER, module, candidate.plan.layout.pipeline)
-        state = state_bytes(module, candidate.plan, _PARAM_DTYPES[precision], optimizer)
-        activations = activation_bytes(module, batch, candidate.plan, precision)
+        if plan is not None:
+            check_pipeline_loss(OWNER, module, plan.layout.pipeline)
+        state = state_bytes(module, plan, _PARAM_DTYPES[precision], optimizer)
+        activations = activation_bytes(module, batch, plan, precision)
+        step = _step_peak(module, batch, plan, precision, steps) if activations is not None else None
     except (ValueError, TypeError) as error:  # the split or tensor plan the strategy would refuse
-        row.refused = str(error)
+        return None, None, None, str(error)
+    return state, activations, step, None
+
+
+def _row(module: pl.LightningModule, candidate: Candidate, measured: _Measured, precision: str,
+         memory_per_device: float | None) -> PlanRow:  # fmt: skip
+    state, activations, step, refused = measured
+    row = PlanRow(candidate.name, candidate.plan, refused=refused, kind=candidate.kind, kwargs=candidate.kwargs)
+    if state is None:
         return row
     row.memory_mb = {f"{key}_mb": value / 1e6 for key, value in state.items()}
-    row.memory_mb["activations_mb"] = None if activations is None else activations / 1e6
-    known = sum(state.values()) + (activations or 0.0)
-    row.peak_mb = None if activations is None else known / 1e6
-    if memory_per_device is not None and (activations is not None or known > memory_per_device):
+    row.memory_mb["activations_mb"] = None if activations is None else activations.per_micro_batch / 1e6
+    if activations is not None and step is not None:
+        parts = _peak_parts(module, candidate.plan, row.kind, state, activations, step, precision)
+        row.peak_parts_mb = {key: value / 1e6 for key, value in parts.items()}
+        row.peak_mb = sum(row.peak_parts_mb.values())
+    known = row.peak_mb * 1e6 if row.peak_mb is not None else sum(state.values())
+    if memory_per_device is not None and (row.peak_mb is not None or known > memory_per_device):
         row.fits = known <= memory_per_device
         if not row.fits:
-            what = "the predicted peak" if activations is not None else "the model state alone"
+            what = "the predicted peak" if row.peak_mb is not None else "the model state alone"
             row.refused = f"{what} takes {known / 1e6:.1f} MB per device, {memory_per_device / 1e6:.1f} MB offered"
     return row
+
+
+def _step_peak(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str,
+               steps: dict[tuple, StepPeak | None]) -> StepPeak | None:  # fmt: skip
+    """The layout's step at its peak, shared by the layouts whose rank computes the same shapes."""
+    micro = None if plan is None or plan.layout.pipeline == 1 else plan.microbatches or 2 * plan.num_stages
+    key = (None, micro) if plan is None else (plan.layout.tensor, micro, plan.activation_checkpointing, plan.sharded)
+    if key not in steps:
+        steps[key] = step_transients(module, batch, plan, precision,
+                                     lambda shadow: the_optimizer(OWNER, shadow, 1))  # fmt: skip
+    return steps[key]
+
+
+def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str, state: dict[str, float],
+                activations: Activations, step: StepPeak, precision: str) -> dict[str, float]:  # fmt: skip
+    """The largest rank's bytes at its step's peak, by part (``PlanRow.peak_parts_mb``)."""
+    pipeline = plan is not None and plan.layout.pipeline > 1
+    # a pipeline's stages hold their in-flight micro-batches; one forward's may be partly freed at the step's peak
+    held = activations.held if pipeline else min(activations.held, step.activations)
+    # AccelDDP's gradients are views of DDP's buckets, allocated at setup; a pipeline's accumulate over its
+    # micro-batches; elsewhere they come with the backward
+    grads = state["grads"] if kind == "ddp" or pipeline else state["grads"] * step.grads
+    gathered_dtype = _AUTOCAST_PARAMS.get(precision, _PARAM_DTYPES[precision])
+    return {"params": state["params"], "grads": grads, "optimizer": state["optimizer"], "activations": held,
+            "temporaries": step.temporaries,
+            "gathered": gathered_bytes(module, plan, state["params"], gathered_dtype)}  # fmt: skip

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_accel import MemoryMonitor, plan
@@ -177,3 +178,67 @@ def test_a_layout_whose_state_does_not_fit_is_refused_and_a_7b_model_plans_on_th
 def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_them():
     refused = plan(GPT(heads=4), world_size=8, layouts=["tp8"])["tp8"].refused
     assert "'blocks.0.attn' has n_head=4, not a multiple of tensor_parallel=8" in refused and "Fix:" in refused
+
+
+def _gpt_for_the_peak() -> GPT:
+    torch.manual_seed(0)
+    return GPT(depth=2, width=64, heads=4)
+
+
+def _tracked_peak(rank: int, world: int) -> float:
+    """The tensor peak torch's MemTracker counts in a real step (its second: the optimizer's state in place)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, batch = _gpt_for_the_peak(), tuple(token_dataset(LOADED).tensors)
+    optimizer = model.configure_optimizers()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for _ in range(2):
+            model.training_step(batch, 0).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()
+    return float(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+
+
+def test_the_peak_equals_the_tensor_peak_torch_tracks_in_a_real_step():
+    """One process's step for real (torch's MemTracker counting every tensor alive: parameters, AdamW's state,
+    activations, temporaries) peaks where the plan's fake step says; the runtime (kernels' scratch, the allocator)
+    is not a tensor and not in either. The "fsdp" row of one process: gradients come with the backward, as here.
+    (The real step runs in a child: tracked, it leaves autograd's threads behind, which a later fork cannot take.)"""
+    row = plan(_gpt_for_the_peak(), tuple(token_dataset(LOADED).tensors), world_size=1, layouts=["fsdp"])["fsdp"]
+    peak = run_distributed(_tracked_peak, 1, init_process_group=False)[0]
+    assert row.peak_mb * 1e6 == pytest.approx(peak, rel=0.01), (row.peak_parts_mb, peak)
+    assert row.peak_parts_mb["gathered"] == 0  # one process: nothing sharded to gather
+
+
+def _backward_in_a_forked_child() -> str:
+    import multiprocessing as mp
+
+    def child(queue: Any) -> None:
+        try:
+            torch.set_num_threads(1)  # as Lightning's fork launcher does (the parent's OpenMP pool is not inherited)
+            torch.ones(2, requires_grad=True).sum().backward()
+            queue.put("ok")
+        except RuntimeError as error:
+            queue.put(str(error))
+
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    process = context.Process(target=child, args=(queue,))
+    process.start()
+    process.join(timeout=60)
+    return queue.get(timeout=5)
+
+
+def test_planning_leaves_this_process_able_to_fork_workers_that_train():
+    """Fake tensors (they live on the meta device) leave autograd counting a device: the next backward here started
+    its device threads, after which no forked child could run autograd (Lightning's fork start methods). The plan's
+    fake work runs in a child of its own; this process trains and forks trainers after it."""
+    planned = plan(_model(), dataset(LOADED).tensors, world_size=2, layouts=["fsdp"])
+    assert planned["fsdp"].peak_parts_mb["temporaries"] > 0
+    assert _backward_in_a_forked_child() == "ok"
+    x, y = dataset(LOADED).tensors
+    nn.functional.mse_loss(_model()(x), y).backward()  # a step here, as a notebook does before it forks trainers
+    assert _backward_in_a_forked_child() == "ok"
