@@ -163,20 +163,25 @@ class SavedTensorProbe:
         for _ in range(_MAX_CHAIN):
             if node is None:
                 return "activation"
-            leaf = getattr(node, "variable", None)  # AccumulateGrad: the chain reached a leaf (a parameter)
+            leaf = getattr(node, "variable", None)  # AccumulateGrad: the chain reached a leaf
             if leaf is not None:
-                # FSDP2's unsharded parameter, through a transpose or view (a pipeline stage's received input is a
-                # leaf too, but an activation)
-                if isinstance(leaf, nn.Parameter) and _local(leaf).untyped_storage() is storage:
-                    return "param"
-                whole = storage.nbytes() == leaf.numel() * tensor.element_size()
-                return "cast" if cast and whole else "activation"
+                return _leaf_kind(tensor, storage, leaf, cast)
             inputs = [n for n, _ in node.next_functions if n is not None]
             if len(inputs) != 1:
                 return "activation"
             cast = cast or node.name().startswith("ToCopyBackward")
             node = inputs[0]
         return "activation"
+
+
+def _leaf_kind(tensor: Tensor, storage: Any, leaf: Tensor, cast: bool) -> _Kind:
+    """What a saved tensor whose autograd chain reaches ``leaf`` is."""
+    # FSDP2's unsharded parameter, through a transpose or view (a pipeline stage's received input is a leaf that
+    # shares the saved tensor's storage too, but an activation)
+    if isinstance(leaf, nn.Parameter) and _local(leaf).untyped_storage() is storage:
+        return "param"
+    whole = storage.nbytes() == leaf.numel() * tensor.element_size()
+    return "cast" if cast and whole else "activation"
 
 
 def _unpack(tensor: Tensor) -> Tensor:

@@ -41,10 +41,11 @@ if TYPE_CHECKING:
 
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["Activations", "activation_bytes", "step_transients"]
+__all__ = ["AUTOCAST", "Activations", "activation_bytes", "step_transients"]
 
 OWNER = "lit_accel.plan"
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
+#: the autocast dtype of each mixed precision (also FSDP's compute dtype for the parameters under it)
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
 _TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
@@ -184,7 +185,7 @@ def _prepared(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None,
     if plan is not None and plan.layout.pipeline > 1:  # the strategy's count, refused as it refuses a batch
         micro = pipeline_split(plan, None)["micro_batches"]
         make_batch_plan(None, batch_length(batch), 1, micro_batches=micro, even_micro_batches=True, owner=OWNER)
-    autocast = _AUTOCAST.get(precision)
+    autocast = AUTOCAST.get(precision)
     # FSDP computes in its MixedPrecisionPolicy's dtype (the autocast one): the gathered parameters are low precision
     params_dtype = _TRUE.get(precision) or (autocast if plan is not None and plan.sharded else None)
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # (a metric's real state meets the fake outputs)

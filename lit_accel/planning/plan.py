@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_accel.planning._activations import Activations, activation_bytes, step_transients
+from lit_accel.planning._activations import AUTOCAST, Activations, activation_bytes, step_transients
 from lit_accel.planning._layouts import Candidate, candidates, parse
 from lit_accel.planning._peak import StepPeak, in_child
 from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
@@ -38,7 +38,6 @@ __all__ = ["Plan", "PlanRow", "plan"]
 _PARAM_DTYPES = {"32-true": torch.float32, "32": torch.float32, "64-true": torch.float64, "bf16-true": torch.bfloat16,
                  "16-true": torch.float16, "bf16-mixed": torch.float32, "16-mixed": torch.float32,
                  "fp8-mixed": torch.float32}  # fmt: skip
-_AUTOCAST_PARAMS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
 _STATE_KEYS = ("params_mb", "grads_mb", "optimizer_mb")
 OWNER = "lit_accel.plan"
 
@@ -226,7 +225,7 @@ def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str
     # AccelDDP's gradients are views of DDP's buckets, allocated at setup; a pipeline's accumulate over its
     # micro-batches; elsewhere they come with the backward
     grads = state["grads"] if kind == "ddp" or pipeline else state["grads"] * step.grads
-    gathered_dtype = _AUTOCAST_PARAMS.get(precision, _PARAM_DTYPES[precision])
+    gathered_dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
     return {"params": state["params"], "grads": grads, "optimizer": state["optimizer"], "activations": held,
             "temporaries": step.temporaries,
             "gathered": gathered_bytes(module, plan, state["params"], gathered_dtype)}  # fmt: skip
