@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
 
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["AUTOCAST", "Activations", "activation_bytes", "step_transients"]
+__all__ = ["AUTOCAST", "Activations", "RankShape", "measure_shape", "rank_activations", "shape_key"]
 
 OWNER = "lit_accel.plan"
 #: the autocast dtype of each mixed precision (also FSDP's compute dtype for the parameters under it)
@@ -102,57 +101,51 @@ def _to_local_shards(shadow: nn.Module, plan: ParallelPlan) -> None:
             setattr(parent, heads, getattr(parent, heads) // tensor)
 
 
-class _StageBooks:
-    """One probe per stretch of a forward; each stretch's saved bytes booked to the stage that ran it."""
+class _SavedByStage:
+    """The bytes autograd saves in a forward, by the pipeline stage whose units saved them, and the last unit's output.
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
+    Each stretch of the forward gets a probe of its own, booked to the stage running (before the first unit, the
+    first; after the last, as the loss, the last). Without units (no pipeline) the whole forward is stage 0's.
+    """
+
+    def __init__(self, shadow: nn.Module, units: list[tuple[str, nn.Module]], stage_of: list[int]) -> None:
+        self.params = list(shadow.parameters())
+        self.units = units
+        self.stage_of = stage_of
         self.bytes: dict[int, float] = defaultdict(float)
+        self.output = 0.0
         self._stage: int | None = None
         self._probe: SavedTensorProbe | None = None
+        self._handles: list[Any] = []
 
-    def enter(self, stage: int) -> None:
+    def _enter(self, stage: int) -> None:
         if stage != self._stage:
-            self.close()
+            self._close()
             self._stage, self._probe = stage, SavedTensorProbe(self.params)
             self._probe.start()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self._probe is not None and self._stage is not None:
             self.bytes[self._stage] += self._probe.stop()[0].total
             self._probe = None
 
+    def _output(self, out: Any) -> None:
+        self.output += _nbytes(out)
 
-def _step(shadow: pl.LightningModule, batch: Any) -> None:
-    """The module's ``training_step`` (its ``self.log`` calls have no trainer to go to: not a problem here)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*self\.log\(\)` but the `self\.trainer` reference")
-        shadow.training_step(batch, 0)
+    def __enter__(self) -> _SavedByStage:
+        stage = {id(unit): self.stage_of[i] for i, (_, unit) in enumerate(self.units)}
+        # first: a stage's probe must be outside the saved-tensor hooks of a checkpointed unit's own pre-hook
+        self._handles = [unit.register_forward_pre_hook(lambda m, _: self._enter(stage[id(m)]), prepend=True)
+                         for _, unit in self.units]  # fmt: skip
+        if self.units:
+            self._handles.append(self.units[-1][1].register_forward_hook(lambda m, i, out: self._output(out)))
+        self._enter(0)
+        return self
 
-
-def _per_stage(shadow: pl.LightningModule, batch: Any, plan: ParallelPlan) -> tuple[dict[int, float], float]:
-    """Saved bytes of each stage for one micro-batch (the loss with the last stage), and the last unit's output bytes.
-
-    (The schedule keeps the last stage's output of every micro-batch until the step ends.)
-    """
-    units = pipeline_units(shadow)
-    names = [name for name, _ in units]
-    starts = split_units(OWNER, names, units, plan.num_stages, plan.stage_split)
-    stage_of = {id(unit): sum(1 for s in starts if s <= i) - 1 for i, (_, unit) in enumerate(units)}
-    books = _StageBooks(list(shadow.parameters()))
-    output: list[float] = []
-    # first: a stage's probe must be outside the saved-tensor hooks of a checkpointed unit's own pre-hook
-    handles = [unit.register_forward_pre_hook(lambda m, _: books.enter(stage_of[id(m)]), prepend=True)
-               for _, unit in units]  # fmt: skip
-    handles.append(units[-1][1].register_forward_hook(lambda m, i, out: output.append(_nbytes(out))))
-    try:
-        books.enter(0)
-        _step(shadow, batch)
-        books.close()
-    finally:
-        for handle in handles:
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+        for handle in self._handles:
             handle.remove()
-    return books.bytes, sum(output)
 
 
 def _nbytes(value: Any) -> float:
@@ -175,6 +168,28 @@ class Activations:
     per_micro_batch: float
     #: bytes held at once: a pipeline's in-flight micro-batches, and the last stage's outputs of every micro-batch
     held: float
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one rank shape's fake training step measured (the layouts whose ranks compute the same shapes share it).
+
+    Under a pipeline the whole model runs one micro-batch, its saved bytes booked to the stages of the plan's split.
+    """
+
+    #: bytes autograd saves in the forward, by pipeline stage (all under 0 without a pipeline)
+    saved: dict[int, float]
+    #: bytes of the last unit's output (the schedule keeps the last stage's output of every micro-batch)
+    output: float
+    step: StepPeak
+
+
+def shape_key(plan: ParallelPlan | None) -> tuple:
+    """What decides a rank's shapes: the tensor size, a pipeline's stages and micro-batches, checkpointing, sharding."""
+    if plan is None:
+        return (None,)
+    stages = None if plan.layout.pipeline == 1 else (plan.num_stages, repr(plan.stage_split), plan.microbatches)
+    return (plan.layout.tensor, stages, plan.activation_checkpointing, plan.sharded)
 
 
 def _prepared(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str) -> tuple[Any, ...]:
@@ -201,45 +216,39 @@ def _prepared(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None,
     return mode, shadow, fake_batch, context
 
 
-def activation_bytes(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None,
-                     precision: str) -> Activations | None:  # fmt: skip
-    """The largest rank's activations (``Activations``); None: unknown (no batch, or a tensor plan not modelled).
+def measure_shape(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str,
+                  optimizer_of: Callable[[nn.Module], torch.optim.Optimizer]) -> RankShape | None:  # fmt: skip
+    """One training step of a fake copy at one rank's shapes (``plan``'s; ``None``: DDP's): its saved bytes and peak.
 
-    ``batch``: one device's loaded batch. ``plan``: ``None`` for DDP.
+    ``batch``: one device's loaded batch. ``optimizer_of``: the module's optimizer over a copy's parameters. None
+    where activations are not modelled (no batch, a tensor plan with other styles).
     """
     if batch is None or (plan is not None and not _modelled(module, plan)):
         return None
     mode, shadow, fake_batch, context = _prepared(module, batch, plan, precision)
+    units, stage_of = _stages(shadow, plan) if plan is not None and plan.layout.pipeline > 1 else ([], [])
     with mode, context:
-        if plan is not None and plan.layout.pipeline > 1:
-            return _pipeline_activations(plan, *_per_stage(shadow, fake_batch, plan), batch_length(batch))
-        probe = SavedTensorProbe(shadow.parameters())
-        probe.start()
-        try:
-            _step(shadow, fake_batch)
-        finally:
-            saved = probe.stop()[0].total
-    return Activations(saved, saved)
+        saved = _SavedByStage(shadow, units, stage_of)
+        step = step_peak(shadow, fake_batch, optimizer_of(shadow), watch=saved)
+    return RankShape(dict(saved.bytes), saved.output, step)
 
 
-def _pipeline_activations(plan: ParallelPlan, stages: dict[int, float], output: float, loaded: int) -> Activations:
+def _stages(shadow: nn.Module, plan: ParallelPlan) -> tuple[list[tuple[str, nn.Module]], list[int]]:
+    """The pipeline units of ``shadow`` and the stage of each, as the strategy splits them."""
+    units = pipeline_units(shadow)
+    starts = split_units(OWNER, [name for name, _ in units], units, plan.num_stages, plan.stage_split)
+    return units, [sum(1 for s in starts if s <= i) - 1 for i in range(len(units))]
+
+
+def rank_activations(plan: ParallelPlan | None, shape: RankShape) -> Activations:
+    """The largest rank's activations under ``plan`` from its rank shape's measurement."""
+    stages = defaultdict(float, shape.saved)
+    if plan is None or plan.layout.pipeline == 1:
+        return Activations(stages[0], stages[0])
     micro = pipeline_split(plan, None)["micro_batches"]
     last = plan.num_stages - 1
     ranks = [plan.stage_ids(rank) for rank in range(plan.layout.pipeline)]
     one = max(sum(stages[s] for s in ids) for ids in ranks)
-    held = max(sum(stages[s] * _in_flight(plan, s, micro) + (output * micro if s == last else 0.0) for s in ids)
+    held = max(sum(stages[s] * _in_flight(plan, s, micro) + (shape.output * micro if s == last else 0.0) for s in ids)
                for ids in ranks)  # fmt: skip
     return Activations(one, held)
-
-
-def step_transients(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str,
-                    optimizer_of: Callable[[nn.Module], torch.optim.Optimizer]) -> StepPeak | None:  # fmt: skip
-    """One rank's training step at its peak (``_peak.py``; under a pipeline, the whole model on one micro-batch).
-
-    ``optimizer_of``: the module's optimizer over a copy's parameters. None where activations are not modelled.
-    """
-    if batch is None or (plan is not None and not _modelled(module, plan)):
-        return None
-    mode, shadow, fake_batch, context = _prepared(module, batch, plan, precision)
-    with mode, context:
-        return step_peak(shadow, fake_batch, optimizer_of(shadow))

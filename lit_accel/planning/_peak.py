@@ -12,11 +12,12 @@ the byte on the test models, but updates every module's peak at every op: 13x sl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,8 +28,9 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StepPeak", "in_child", "step_peak"]
+__all__ = ["StepPeak", "in_children", "step_peak"]
 
+K = TypeVar("K")
 T = TypeVar("T")
 
 
@@ -105,10 +107,11 @@ class _Alive(TorchDispatchMode):
         return out
 
 
-def step_peak(shadow: pl.LightningModule, batch: Any, optimizer: torch.optim.Optimizer) -> StepPeak:
+def step_peak(shadow: pl.LightningModule, batch: Any, optimizer: torch.optim.Optimizer,
+              watch: contextlib.AbstractContextManager | None = None) -> StepPeak:  # fmt: skip
     """The peak of one training step of ``shadow`` (fake parameters) on ``batch`` (fake), under the active fake mode.
 
-    ``optimizer``: the module's optimizer over ``shadow``'s parameters.
+    ``optimizer``: the module's optimizer over ``shadow``'s parameters. ``watch``: entered around the forward.
     """
     _with_state(optimizer)
     params = [p for p in shadow.parameters() if p.requires_grad]
@@ -120,7 +123,8 @@ def step_peak(shadow: pl.LightningModule, batch: Any, optimizer: torch.optim.Opt
     try:
         with alive, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*self\.log\(\)` but the `self\.trainer` reference")
-            loss = _loss(shadow.training_step(batch, 0))
+            with watch or contextlib.nullcontext():
+                loss = _loss(shadow.training_step(batch, 0))
             alive.kind = "temporaries"
             loss.backward()
             optimizer.step()
@@ -137,15 +141,33 @@ def step_peak(shadow: pl.LightningModule, batch: Any, optimizer: torch.optim.Opt
     )
 
 
-def in_child(work: Callable[[], T]) -> T:
-    """``work()`` run in a forked child, its (picklable) result sent back (here where ``os.fork`` is missing).
+def in_children(work: Callable[[K], T], items: Sequence[K]) -> list[T]:
+    """``[work(item) for item in items]`` run in forked children, one per core, their (picklable) results sent back.
 
     Fake tensors (which live on the meta device) leave the autograd engine counting a device: a fake backward, or
     this process's next real one, starts its device threads, after which no forked child of this process can run
-    autograd (Lightning's ``fork`` start methods, the strategies' ``*_fork`` names). The child takes that with it.
+    autograd (Lightning's ``fork`` start methods, the strategies' ``*_fork`` names). The children take that with them.
+    Here where ``os.fork`` is missing, the work runs in this process.
     """
     if not hasattr(os, "fork"):
-        return work()
+        return [work(item) for item in items]
+    workers = max(1, min(len(items), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+    children = [_fork(lambda share=share: [work(item) for item in share]) for share in
+                (items[start::workers] for start in range(workers))]  # fmt: skip
+    replies = [_collect(*child) for child in children]  # every child waited for, before any failure is raised
+    shares = []
+    for status, value in replies:
+        if status != "ok":
+            raise RuntimeError(f"lit_accel.plan: measuring the layouts failed: {value}")
+        shares.append(value)
+    results: list[T] = [None] * len(items)  # type: ignore[list-item]
+    for start, share in enumerate(shares):
+        results[start::workers] = share
+    return results
+
+
+def _fork(work: Callable[[], T]) -> tuple[int, int]:
+    """``(pid, read end)`` of a forked child that runs ``work()`` and writes its pickled result."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -161,12 +183,14 @@ def in_child(work: Callable[[], T]) -> T:
             out.write(payload)
         os._exit(0)
     os.close(write)
+    return pid, read
+
+
+def _collect(pid: int, read: int) -> tuple[str, Any]:
+    """The child's ``(status, result or error)``, once it has exited."""
     with os.fdopen(read, "rb") as source:
         data = source.read()
     os.waitpid(pid, 0)
     if not data:
-        raise RuntimeError("lit_accel.plan: its process measuring the layouts died. Fix: report it, with its stderr.")
-    status, value = pickle.loads(data)
-    if status == "error":
-        raise RuntimeError(f"lit_accel.plan: measuring the layouts failed: {value}")
-    return value
+        return "died", "its process died (Fix: report it, with its stderr)"
+    return pickle.loads(data)

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_accel.planning._activations import AUTOCAST, Activations, activation_bytes, step_transients
+from lit_accel.planning._activations import AUTOCAST, Activations, RankShape, measure_shape, rank_activations, shape_key
 from lit_accel.planning._layouts import Candidate, candidates, parse
-from lit_accel.planning._peak import StepPeak, in_child
+from lit_accel.planning._peak import StepPeak, in_children
 from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
 from lit_accel.strategies.sharded._checks import check_pipeline_loss
 from lit_accel.utilities._units import format_bytes
@@ -152,48 +152,56 @@ def plan(
     check_choice(owner, "precision", precision, tuple(_PARAM_DTYPES), "'32-true'")
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
     optimizer = optimizer_bytes(owner, module, world_size)
-
-    def measure() -> list[_Measured]:
-        steps: dict[tuple, StepPeak | None] = {}
-        return [_measure(module, batch, candidate, precision, optimizer, steps) for candidate in found]
-
-    # fake tensors, once used, make this process's next real backward start autograd's device threads, after which
-    # no forked child can train (Lightning's fork start methods): the fake work runs in a child of its own
-    measured = measure() if batch is None else in_child(measure)
-    rows = [_row(module, candidate, result, precision, memory_per_device) for candidate, result in zip(found, measured)]
+    states = [_state(module, candidate, precision, optimizer) for candidate in found]
+    # one fake step per rank shape, for the layouts the state left in
+    plans = {shape_key(c.plan): c.plan for c, state in zip(found, states) if not isinstance(state, str)}
+    shapes = dict(zip(plans, _measure(module, batch, list(plans.values()), precision)))
+    rows = [_row(module, candidate, state, shapes.get(shape_key(candidate.plan)), precision, memory_per_device)
+            for candidate, state in zip(found, states)]  # fmt: skip
     return Plan(rows, world_size, precision)
 
 
-#: a layout's (model state, activations, step's peak, refusal): what the fake work measures, all picklable
-_Measured = tuple["dict[str, float] | None", "Activations | None", "StepPeak | None", "str | None"]
-
-
-def _measure(module: pl.LightningModule, batch: Any, candidate: Candidate, precision: str,
-             optimizer: dict[str, tuple[float, float]], steps: dict[tuple, StepPeak | None]) -> _Measured:  # fmt: skip
+def _state(module: pl.LightningModule, candidate: Candidate, precision: str,
+           optimizer: dict[str, tuple[float, float]]) -> dict[str, float] | str:  # fmt: skip
+    """The layout's model state (``state_bytes``), or why it is refused (sizes, no ``pipeline_loss``, the split)."""
     if candidate.refused is not None:
-        return None, None, None, candidate.refused
-    plan = candidate.plan
+        return candidate.refused
     try:
-        if plan is not None:
-            check_pipeline_loss(OWNER, module, plan.layout.pipeline)
-        state = state_bytes(module, plan, _PARAM_DTYPES[precision], optimizer)
-        activations = activation_bytes(module, batch, plan, precision)
-        step = _step_peak(module, batch, plan, precision, steps) if activations is not None else None
+        if candidate.plan is not None:
+            check_pipeline_loss(OWNER, module, candidate.plan.layout.pipeline)
+        return state_bytes(module, candidate.plan, _PARAM_DTYPES[precision], optimizer)
     except (ValueError, TypeError) as error:  # the split or tensor plan the strategy would refuse
-        return None, None, None, str(error)
-    return state, activations, step, None
+        return str(error)
 
 
-def _row(module: pl.LightningModule, candidate: Candidate, measured: _Measured, precision: str,
-         memory_per_device: float | None) -> PlanRow:  # fmt: skip
-    state, activations, step, refused = measured
-    row = PlanRow(candidate.name, candidate.plan, refused=refused, kind=candidate.kind, kwargs=candidate.kwargs)
-    if state is None:
+def _measure(module: pl.LightningModule, batch: Any, plans: list[ParallelPlan | None],
+             precision: str) -> list[RankShape | str | None]:  # fmt: skip
+    """Each plan's rank shape measured (``measure_shape``), or why the batch or the tensor plan refuses it."""
+    if batch is None:
+        return [None] * len(plans)
+
+    def one(plan: ParallelPlan | None) -> RankShape | str | None:
+        try:
+            return measure_shape(module, batch, plan, precision, lambda shadow: the_optimizer(OWNER, shadow, 1))
+        except (ValueError, TypeError) as error:  # a batch a pipeline cannot split, heads a tensor size cannot
+            return str(error)
+
+    # fake tensors, once used, make this process's next real backward start autograd's device threads, after which
+    # no forked child can train (Lightning's fork start methods): the fake work runs in children of its own
+    return in_children(one, plans)
+
+
+def _row(module: pl.LightningModule, candidate: Candidate, state: dict[str, float] | str,
+         shape: RankShape | str | None, precision: str, memory_per_device: float | None) -> PlanRow:  # fmt: skip
+    row = PlanRow(candidate.name, candidate.plan, kind=candidate.kind, kwargs=candidate.kwargs)
+    if isinstance(state, str) or isinstance(shape, str):
+        row.refused = state if isinstance(state, str) else shape
         return row
     row.memory_mb = {f"{key}_mb": value / 1e6 for key, value in state.items()}
-    row.memory_mb["activations_mb"] = None if activations is None else activations.per_micro_batch / 1e6
-    if activations is not None and step is not None:
-        parts = _peak_parts(module, candidate.plan, row.kind, state, activations, step, precision)
+    held = None if shape is None else rank_activations(candidate.plan, shape)
+    row.memory_mb["activations_mb"] = None if held is None else held.per_micro_batch / 1e6
+    if held is not None and shape is not None:
+        parts = _peak_parts(module, candidate.plan, row.kind, state, held, shape.step, precision)
         row.peak_parts_mb = {key: value / 1e6 for key, value in parts.items()}
         row.peak_mb = sum(row.peak_parts_mb.values())
     known = row.peak_mb * 1e6 if row.peak_mb is not None else sum(state.values())
@@ -203,17 +211,6 @@ def _row(module: pl.LightningModule, candidate: Candidate, measured: _Measured, 
             what = "the predicted peak" if row.peak_mb is not None else "the model state alone"
             row.refused = f"{what} takes {known / 1e6:.1f} MB per device, {memory_per_device / 1e6:.1f} MB offered"
     return row
-
-
-def _step_peak(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None, precision: str,
-               steps: dict[tuple, StepPeak | None]) -> StepPeak | None:  # fmt: skip
-    """The layout's step at its peak, shared by the layouts whose rank computes the same shapes."""
-    micro = None if plan is None or plan.layout.pipeline == 1 else plan.microbatches or 2 * plan.num_stages
-    key = (None, micro) if plan is None else (plan.layout.tensor, micro, plan.activation_checkpointing, plan.sharded)
-    if key not in steps:
-        steps[key] = step_transients(module, batch, plan, precision,
-                                     lambda shadow: the_optimizer(OWNER, shadow, 1))  # fmt: skip
-    return steps[key]
 
 
 def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str, state: dict[str, float],
