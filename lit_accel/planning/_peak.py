@@ -28,22 +28,33 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StepPeak", "in_children", "step_peak"]
+__all__ = ["Moment", "StepPeak", "in_children", "step_peak"]
 
 K = TypeVar("K")
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class StepPeak:
-    """What one step holds at its peak beyond the state, as bytes and shares of one rank's whole."""
+class Moment:
+    """What one moment of a step holds beyond the state, as bytes and shares of one rank's whole."""
 
-    #: bytes of temporaries alive at the peak
+    #: bytes of temporaries alive
     temporaries: float
-    #: share of the gradients alive at the peak (0 before the backward made any, 1 in the optimizer step)
+    #: share of the gradients alive (0 before the backward made any, 1 in the optimizer step)
     grads: float
-    #: bytes of the forward's activations still alive at the peak
+    #: bytes of the forward's activations still alive
     activations: float
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """A step's largest moment while it computes (forward and backward) and while its optimizer updates.
+
+    Apart because FSDP's gathered parameters are alive only in the first: a layout's peak is the larger of the two.
+    """
+
+    compute: Moment
+    update: Moment
 
 
 def _loss(output: Any) -> torch.Tensor:
@@ -60,7 +71,7 @@ def _with_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class _Alive(TorchDispatchMode):
-    """The bytes of the storages ops make, alive by kind, and their split at the largest total.
+    """The bytes of the storages ops make, alive by kind, and their split at each phase's largest total.
 
     A storage is counted once (views share it) and uncounted when it dies; storages known before (``known``: the
     model's state, the batch) are never counted.
@@ -69,9 +80,11 @@ class _Alive(TorchDispatchMode):
     def __init__(self, known: list[torch.Tensor]) -> None:
         super().__init__()
         self.kind = "activations"
+        #: "compute" (forward and backward) or "update" (the optimizer): each has its own largest moment
+        self.phase = "compute"
         self.alive = {"activations": 0, "temporaries": 0, "grads": 0, "known": 0}
-        self.total = self.peak = 0
-        self.at_peak = dict(self.alive)
+        self.total = 0
+        self.peaks = {"compute": (0, dict(self.alive)), "update": (0, dict(self.alive))}
         self._kinds: dict[int, tuple[str, int]] = {}
         for tensor in known:
             self.track(tensor, "known")
@@ -96,8 +109,8 @@ class _Alive(TorchDispatchMode):
         weakref.finalize(storage, self._gone, key)
         self.alive[kind] += size
         self.total += size
-        if self.total > self.peak:
-            self.peak, self.at_peak = self.total, dict(self.alive)
+        if self.total > self.peaks[self.phase][0]:
+            self.peaks[self.phase] = (self.total, dict(self.alive))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -127,18 +140,20 @@ def step_peak(shadow: pl.LightningModule, batch: Any, optimizer: torch.optim.Opt
                 loss = _loss(shadow.training_step(batch, 0))
             alive.kind = "temporaries"
             loss.backward()
+            alive.phase = "update"
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     finally:
         for handle in handles:
             handle.remove()
-    peak = alive.at_peak
     grads_total = sum(p.numel() * p.element_size() for p in params)
-    return StepPeak(
-        temporaries=float(peak["temporaries"]),
-        grads=min(1.0, peak["grads"] / grads_total) if grads_total else 0.0,
-        activations=float(peak["activations"]),
-    )
+
+    def moment(phase: str) -> Moment:
+        at = alive.peaks[phase][1]
+        share = min(1.0, at["grads"] / grads_total) if grads_total else 0.0
+        return Moment(float(at["temporaries"]), share, float(at["activations"]))
+
+    return StepPeak(moment("compute"), moment("update"))
 
 
 def in_children(work: Callable[[K], T], items: Sequence[K]) -> list[T]:

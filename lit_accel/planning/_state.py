@@ -166,13 +166,14 @@ def _totals(params: dict[str, nn.Parameter], owned: set[str] | None, dims: dict[
 
 
 def gathered_bytes(module: nn.Module, plan: ParallelPlan | None, params: float, dtype: torch.dtype) -> float:
-    """Bytes of unsharded parameters FSDP holds at a step's peak on the largest rank (0 without data sharding).
+    """Bytes of unsharded parameters FSDP holds while a step computes on the largest rank (0 when not sharded).
 
+    Over one data rank too: FSDP then copies each parameter into its unsharded buffer instead of gathering it.
     ``params``: the rank's sharded parameter bytes (``state_bytes``). ZeRO-3 (resharding after the forward) holds the
     root's own parameters (never resharded) and two blocks (the one computing and the one prefetched); without
     resharding (a pipeline's stages) the rank's whole stage stays gathered. In ``dtype``, FSDP's compute dtype.
     """
-    if plan is None or not plan.sharded or plan.layout.data_shard == 1:
+    if plan is None or not plan.sharded:
         return 0.0
     tensor, pipeline = plan.layout.tensor, plan.layout.pipeline
     per = torch.empty((), dtype=dtype).element_size()

@@ -5,8 +5,8 @@ forward (``_activations.py``) of a layout's largest rank, through the strategies
 (``_layouts.py``), activation checkpointing (``"+ac"`` rows) included. ``peak_mb`` is the tensors alive at the rank's
 step's peak (``_peak.py``): the state, the activations held (a pipeline's in-flight micro-batches), the step's
 temporaries and FSDP's gathered parameters; the runtime's own memory (kernels' scratch, the allocator's slack) is not
-in it. CPU offload, the step time and the ranking by speed are the next parts. What is modelled and the measured
-error: ``docs/plan.md``.
+in it: ``fits`` keeps a headroom for it. CPU offload, the step time and the ranking by speed are the next parts.
+What is modelled and the measured error: ``docs/plan.md``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch
 
 from lit_accel.planning._activations import AUTOCAST, Activations, RankShape, measure_shape, rank_activations, shape_key
 from lit_accel.planning._layouts import Candidate, candidates, parse
-from lit_accel.planning._peak import StepPeak, in_children
+from lit_accel.planning._peak import Moment, StepPeak, in_children
 from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
 from lit_accel.strategies.sharded._checks import check_pipeline_loss
 from lit_accel.utilities._units import format_bytes
-from lit_accel.utilities._validation import check_choice, check_int
+from lit_accel.utilities._validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -58,7 +58,8 @@ class PlanRow:
     plan: ParallelPlan | None
     memory_mb: dict[str, float | None] = field(default_factory=dict)
     peak_mb: float | None = None
-    #: ``None`` without ``memory_per_device`` (or while only the state is known and it fits)
+    #: whether the peak plus ``plan``'s ``headroom`` is within ``memory_per_device``; ``None`` without it (or while
+    #: only the state is known and it fits)
     fits: bool | None = None
     refused: str | None = None
     kind: str = "parallel"
@@ -134,15 +135,18 @@ def plan(
     *,
     world_size: int,
     memory_per_device: float | None = None,
+    headroom: float = 0.1,
     precision: str = "32-true",
     layouts: Sequence[str] | None = None,
 ) -> Plan:
     """Every layout of ``world_size`` processes for ``module``, with its predicted memory per rank.
 
     ``batch``: one device's loaded batch (``None``: no activations). ``memory_per_device``: bytes one device offers
-    (a layout whose predicted peak, or state alone, exceeds it is refused). ``layouts``: names to plan (default: every
-    layout of the world: ``"ddp"``, ``"fsdp"``, ``"pp2"``, ``"tp2"``, ``"dp2xtp2"``, ..., each sharded one also with
-    ``"+ac"``). The module may be on the meta device: nothing is allocated.
+    (a layout whose predicted peak, or state alone, exceeds it is refused). ``headroom``: the share of the predicted
+    peak kept free on top of it for what is not a tensor (the runtime's buffers, the allocator's slack) and the
+    prediction's error (``docs/plan.md``: up to 7% below the real footprint measured). ``layouts``: names to plan
+    (default: every layout of the world: ``"ddp"``, ``"fsdp"``, ``"pp2"``, ``"tp2"``, ``"dp2xtp2"``, ..., each sharded
+    one also with ``"+ac"``). The module may be on the meta device: nothing is allocated.
 
     Raises:
         ValueError: a bad world size, precision or layout name. TypeError: ``configure_optimizers`` gives no optimizer.
@@ -150,13 +154,16 @@ def plan(
     owner = OWNER
     check_int(owner, "world_size", world_size, example=8)
     check_choice(owner, "precision", precision, tuple(_PARAM_DTYPES), "'32-true'")
+    check_number(owner, "memory_per_device", memory_per_device, allow_none=True, fix="bytes, e.g. 80e9")
+    check_number(owner, "headroom", headroom, positive=False, fix="a share of the peak, e.g. 0.1")
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
     optimizer = optimizer_bytes(owner, module, world_size)
     states = [_state(module, candidate, precision, optimizer) for candidate in found]
     # one fake step per rank shape, for the layouts the state left in
     plans = {shape_key(c.plan): c.plan for c, state in zip(found, states) if not isinstance(state, str)}
     shapes = dict(zip(plans, _measure(module, batch, list(plans.values()), precision)))
-    rows = [_row(module, candidate, state, shapes.get(shape_key(candidate.plan)), precision, memory_per_device)
+    offered = None if memory_per_device is None else (memory_per_device, headroom)
+    rows = [_row(module, candidate, state, shapes.get(shape_key(candidate.plan)), precision, offered)
             for candidate, state in zip(found, states)]  # fmt: skip
     return Plan(rows, world_size, precision)
 
@@ -192,7 +199,7 @@ def _measure(module: pl.LightningModule, batch: Any, plans: list[ParallelPlan | 
 
 
 def _row(module: pl.LightningModule, candidate: Candidate, state: dict[str, float] | str,
-         shape: RankShape | str | None, precision: str, memory_per_device: float | None) -> PlanRow:  # fmt: skip
+         shape: RankShape | str | None, precision: str, offered: tuple[float, float] | None) -> PlanRow:  # fmt: skip
     row = PlanRow(candidate.name, candidate.plan, kind=candidate.kind, kwargs=candidate.kwargs)
     if isinstance(state, str) or isinstance(shape, str):
         row.refused = state if isinstance(state, str) else shape
@@ -205,24 +212,34 @@ def _row(module: pl.LightningModule, candidate: Candidate, state: dict[str, floa
         row.peak_parts_mb = {key: value / 1e6 for key, value in parts.items()}
         row.peak_mb = sum(row.peak_parts_mb.values())
     known = row.peak_mb * 1e6 if row.peak_mb is not None else sum(state.values())
-    if memory_per_device is not None and (row.peak_mb is not None or known > memory_per_device):
-        row.fits = known <= memory_per_device
-        if not row.fits:
+    if offered is not None:
+        memory, headroom = offered
+        needed = known * (1 + headroom)
+        if row.peak_mb is not None or needed > memory:  # the state alone fitting says nothing of the peak
+            row.fits = needed <= memory
+        if row.fits is False:
             what = "the predicted peak" if row.peak_mb is not None else "the model state alone"
-            row.refused = f"{what} takes {known / 1e6:.1f} MB per device, {memory_per_device / 1e6:.1f} MB offered"
+            row.refused = (f"{what} takes {known / 1e6:.1f} MB per device, {needed / 1e6:.1f} MB with the"
+                           f" {headroom:.0%} headroom, {memory / 1e6:.1f} MB offered")  # fmt: skip
     return row
 
 
 def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str, state: dict[str, float],
                 activations: Activations, step: StepPeak, precision: str) -> dict[str, float]:  # fmt: skip
-    """The largest rank's bytes at its step's peak, by part (``PlanRow.peak_parts_mb``)."""
+    """The largest rank's bytes at its step's peak, by part (``PlanRow.peak_parts_mb``): the larger of its moments."""
     pipeline = plan is not None and plan.layout.pipeline > 1
-    # a pipeline's stages hold their in-flight micro-batches; one forward's may be partly freed at the step's peak
-    held = activations.held if pipeline else min(activations.held, step.activations)
-    # AccelDDP's gradients are views of DDP's buckets, allocated at setup; a pipeline's accumulate over its
-    # micro-batches; elsewhere they come with the backward
-    grads = state["grads"] if kind == "ddp" or pipeline else state["grads"] * step.grads
     gathered_dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
-    return {"params": state["params"], "grads": grads, "optimizer": state["optimizer"], "activations": held,
-            "temporaries": step.temporaries,
-            "gathered": gathered_bytes(module, plan, state["params"], gathered_dtype)}  # fmt: skip
+    gathered = gathered_bytes(module, plan, state["params"], gathered_dtype)
+
+    def parts(moment: Moment, computing: bool) -> dict[str, float]:
+        # a pipeline's stages hold their in-flight micro-batches while computing; elsewhere (and after) what the
+        # fake step still held
+        held = activations.held if pipeline and computing else min(activations.held, moment.activations)
+        # AccelDDP's gradients are views of DDP's buckets, allocated at setup; a pipeline's accumulate over its
+        # micro-batches; elsewhere they come with the backward
+        grads = state["grads"] if kind == "ddp" or pipeline else state["grads"] * moment.grads
+        return {"params": state["params"], "grads": grads, "optimizer": state["optimizer"], "activations": held,
+                "temporaries": moment.temporaries, "gathered": gathered if computing else 0.0}  # fmt: skip
+
+    # FSDP's parameters are gathered while the step computes, resharded when the optimizer updates
+    return max(parts(step.compute, True), parts(step.update, False), key=lambda found: sum(found.values()))
