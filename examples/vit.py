@@ -721,7 +721,8 @@ def print_plan(args: argparse.Namespace, module: pl.LightningModule, datamodule:
     """``--plan``: every layout's predicted memory per device for this run (one loaded batch, no training)."""
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
-    print(lit_accel.plan(module, batch, world_size=args.world_size, precision=args.precision))
+    device = "cuda" if _uses_cuda(args.accelerator) else "cpu"
+    print(lit_accel.plan(module, batch, world_size=args.world_size, device=device, precision=args.precision))
 
 
 def build_callbacks(args: argparse.Namespace, run_dir: Path, efficiency: EfficiencyMonitor) -> list[Any]:

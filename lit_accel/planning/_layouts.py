@@ -3,8 +3,9 @@
 Each name is the strategy a user would write: ``"ddp"`` is ``AccelDDP()``, ``"fsdp"`` ``AccelFSDP()``, and a product
 of ``pp``/``dp``/``tp`` sizes ``AccelParallel(pipeline_parallel=..., tensor_parallel=...)`` with the data size what
 the others leave (``dp`` named only beside another dimension, as in ``"pp2xdp2"``); ``"+ac"`` after a sharded name
-adds ``activation_checkpointing=True``. The plan is the strategy's own ``ParallelPlan``, built by the same checks, so
-a layout a strategy would refuse is refused here with its message.
+adds ``activation_checkpointing=True``, ``"+offload"`` ``cpu_offload=True`` (both: ``"fsdp+ac+offload"``). The
+plan is the strategy's own ``ParallelPlan``, built by the same checks, so a layout a strategy would refuse is refused
+here with its message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ __all__ = ["Candidate", "candidates", "parse"]
 
 _NAME = re.compile(r"^(?:pp(\d+))?x?(?:dp(\d+))?x?(?:tp(\d+))?$")
 _AC = "+ac"
+#: the suffixes a sharded layout's name may end with, in this order, and the keyword each sets
+_SUFFIXES = (("+offload", "cpu_offload"), (_AC, "activation_checkpointing"))
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,10 @@ def parse(owner: str, name: str, world_size: int) -> Candidate:
     Raises:
         ValueError: a name that is none of ``ddp``, ``fsdp`` or a product of ``ppN``/``dpN``/``tpN``.
     """
-    base, checkpointed = (name[: -len(_AC)], True) if name.endswith(_AC) else (name, False)
-    kwargs: dict[str, Any] = {"activation_checkpointing": True} if checkpointed else {}
+    base, kwargs = name, dict[str, Any]()
+    for suffix, keyword in _SUFFIXES:
+        if base.endswith(suffix):
+            base, kwargs[keyword] = base[: -len(suffix)], True
     if base in ("ddp", "fsdp"):
         kind = base
     else:
@@ -59,7 +64,8 @@ def parse(owner: str, name: str, world_size: int) -> Candidate:
         if not base or match is None or not any(match.groups()):
             raise ValueError(
                 f"{owner}(layouts=[{name!r}]): not a layout name. Fix: 'ddp', 'fsdp' or sizes joined by 'x', e.g."
-                " 'pp2', 'tp2', 'dp2xtp2', 'pp2xdp2', each sharded one optionally with '+ac'."
+                " 'pp2', 'tp2', 'dp2xtp2', 'pp2xdp2', each sharded one optionally with '+ac', '+offload' or"
+                " '+ac+offload'."
             )
         pipeline, data, tensor = (int(g) if g else 1 for g in match.groups())
         if data > 1 and pipeline * data * tensor != world_size:
@@ -68,7 +74,10 @@ def parse(owner: str, name: str, world_size: int) -> Candidate:
         kind = "parallel"
         kwargs.update(pipeline_parallel=pipeline, tensor_parallel=tensor)
     if kind == "ddp":
-        refused = "AccelDDP has no activation checkpointing. Fix: 'fsdp+ac'." if checkpointed else None
+        refused = None
+        if kwargs:
+            what = "CPU offload" if "cpu_offload" in kwargs else "activation checkpointing"
+            refused = f"AccelDDP has no {what}. Fix: 'fsdp{name[len(base) :]}'."
         return Candidate(name, kind, {}, None, refused)
     try:
         plan = ParallelPlan.build(owner, world_size, **kwargs)
@@ -80,12 +89,13 @@ def parse(owner: str, name: str, world_size: int) -> Candidate:
 def candidates(owner: str, world_size: int) -> list[Candidate]:
     """Every layout of ``world_size`` processes: ``ddp``, ``fsdp``, each pipeline x tensor split (sharded ones twice).
 
-    Each sharded layout comes again with activation checkpointing (``"+ac"``).
+    Each sharded layout comes again with activation checkpointing (``"+ac"``); FSDP also with CPU offload
+    (``"fsdp+offload"``, ``"fsdp+ac+offload"``: the other layouts take it by name).
     """
     names = ["fsdp"]
     for pipeline in [1, *_divisors(world_size)]:
         for tensor in [1, *_divisors(world_size // pipeline)]:
             if pipeline * tensor > 1:
                 names.append(_name(pipeline, world_size // (pipeline * tensor), tensor))
-    names = ["ddp", *[n for name in names for n in (name, name + _AC)]]
+    names = ["ddp", *[n for name in names for n in (name, name + _AC)], "fsdp+offload", "fsdp+ac+offload"]
     return [parse(owner, name, world_size) for name in names]

@@ -5,7 +5,8 @@ forward (``_activations.py``) of a layout's largest rank, through the strategies
 (``_layouts.py``), activation checkpointing (``"+ac"`` rows) included. ``peak_mb`` is the tensors alive at the rank's
 step's peak (``_peak.py``): the state, the activations held (a pipeline's in-flight micro-batches), the step's
 temporaries and FSDP's gathered parameters; the runtime's own memory (kernels' scratch, the allocator's slack) is not
-in it: ``fits`` keeps a headroom for it. CPU offload, the step time and the ranking by speed are the next parts.
+in it: ``fits`` keeps a headroom for it. CPU offload (``"+offload"``) moves the state to ``host_mb`` on a GPU. The
+step time and the ranking by speed are the next parts.
 What is modelled and the measured error: ``docs/plan.md``.
 """
 
@@ -67,6 +68,8 @@ class PlanRow:
     #: ``peak_mb`` by part: the state at the peak (gradients as far as they are alive), the activations held (a
     #: pipeline's in-flight micro-batches), the step's temporaries and FSDP's gathered parameters
     peak_parts_mb: dict[str, float] = field(default_factory=dict)
+    #: the model state kept in host memory (CPU offload on a GPU: ``device="cuda"``), not in ``peak_mb``; else None
+    host_mb: float | None = None
 
     @property
     def state_mb(self) -> float | None:
@@ -134,6 +137,7 @@ def plan(
     batch: Any = None,
     *,
     world_size: int,
+    device: str = "cpu",
     memory_per_device: float | None = None,
     headroom: float = 0.1,
     precision: str = "32-true",
@@ -141,7 +145,9 @@ def plan(
 ) -> Plan:
     """Every layout of ``world_size`` processes for ``module``, with its predicted memory per rank.
 
-    ``batch``: one device's loaded batch (``None``: no activations). ``memory_per_device``: bytes one device offers
+    ``batch``: one device's loaded batch (``None``: no activations). ``device``: where the layouts would train,
+    ``"cpu"`` or ``"cuda"`` (a GPU's memory is apart from the host's: CPU offload takes the state off it into
+    ``host_mb``). ``memory_per_device``: bytes one device offers
     (a layout whose predicted peak, or state alone, exceeds it is refused). ``headroom``: the share of the predicted
     peak kept free on top of it for what is not a tensor (the runtime's buffers, the allocator's slack) and the
     prediction's error (``docs/plan.md``: up to 7% below the real footprint measured). ``layouts``: names to plan
@@ -154,6 +160,7 @@ def plan(
     owner = OWNER
     check_int(owner, "world_size", world_size, example=8)
     check_choice(owner, "precision", precision, tuple(_PARAM_DTYPES), "'32-true'")
+    check_choice(owner, "device", device, ("cpu", "cuda"), "'cpu' or 'cuda'")
     check_number(owner, "memory_per_device", memory_per_device, allow_none=True, fix="bytes, e.g. 80e9")
     check_number(owner, "headroom", headroom, positive=False, fix="a share of the peak, e.g. 0.1")
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
@@ -163,7 +170,7 @@ def plan(
     plans = {shape_key(c.plan): c.plan for c, state in zip(found, states) if not isinstance(state, str)}
     shapes = dict(zip(plans, _measure(module, batch, list(plans.values()), precision)))
     offered = None if memory_per_device is None else (memory_per_device, headroom)
-    rows = [_row(module, candidate, state, shapes.get(shape_key(candidate.plan)), precision, offered)
+    rows = [_row(module, candidate, state, shapes.get(shape_key(candidate.plan)), precision, device, offered)
             for candidate, state in zip(found, states)]  # fmt: skip
     return Plan(rows, world_size, precision)
 
@@ -199,19 +206,23 @@ def _measure(module: pl.LightningModule, batch: Any, plans: list[ParallelPlan | 
 
 
 def _row(module: pl.LightningModule, candidate: Candidate, state: dict[str, float] | str,
-         shape: RankShape | str | None, precision: str, offered: tuple[float, float] | None) -> PlanRow:  # fmt: skip
+         shape: RankShape | str | None, precision: str, device: str,
+         offered: tuple[float, float] | None) -> PlanRow:  # fmt: skip
     row = PlanRow(candidate.name, candidate.plan, kind=candidate.kind, kwargs=candidate.kwargs)
     if isinstance(state, str) or isinstance(shape, str):
         row.refused = state if isinstance(state, str) else shape
         return row
     row.memory_mb = {f"{key}_mb": value / 1e6 for key, value in state.items()}
+    offloaded = candidate.plan is not None and candidate.plan.cpu_offload and device != "cpu"
+    if offloaded:
+        row.host_mb = sum(state.values()) / 1e6
     held = None if shape is None else rank_activations(candidate.plan, shape)
     row.memory_mb["activations_mb"] = None if held is None else held.per_micro_batch / 1e6
     if held is not None and shape is not None:
-        parts = _peak_parts(module, candidate.plan, row.kind, state, held, shape.step, precision)
+        parts = _peak_parts(module, candidate.plan, row.kind, state, held, shape.step, precision, offloaded)
         row.peak_parts_mb = {key: value / 1e6 for key, value in parts.items()}
         row.peak_mb = sum(row.peak_parts_mb.values())
-    known = row.peak_mb * 1e6 if row.peak_mb is not None else sum(state.values())
+    known = row.peak_mb * 1e6 if row.peak_mb is not None else (0.0 if offloaded else sum(state.values()))
     if offered is not None:
         memory, headroom = offered
         needed = known * (1 + headroom)
@@ -225,8 +236,14 @@ def _row(module: pl.LightningModule, candidate: Candidate, state: dict[str, floa
 
 
 def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str, state: dict[str, float],
-                activations: Activations, step: StepPeak, precision: str) -> dict[str, float]:  # fmt: skip
-    """The largest rank's bytes at its step's peak, by part (``PlanRow.peak_parts_mb``): the larger of its moments."""
+                activations: Activations, step: StepPeak, precision: str,
+                offloaded: bool) -> dict[str, float]:  # fmt: skip
+    """The largest rank's bytes at its step's peak, by part (``PlanRow.peak_parts_mb``): the larger of its moments.
+
+    ``offloaded``: the state in host memory, apart from the device's (CPU offload on a GPU); the optimizer steps
+    there too, so the device's largest moment is the computing one, with the gradients FSDP reduces before it moves
+    them.
+    """
     pipeline = plan is not None and plan.layout.pipeline > 1
     gathered_dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
     gathered = gathered_bytes(module, plan, state["params"], gathered_dtype)
@@ -238,7 +255,10 @@ def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str
         # AccelDDP's gradients are views of DDP's buckets, allocated at setup; a pipeline's accumulate over its
         # micro-batches; elsewhere they come with the backward
         grads = state["grads"] if kind == "ddp" or pipeline else state["grads"] * moment.grads
-        return {"params": state["params"], "grads": grads, "optimizer": state["optimizer"], "activations": held,
+        if offloaded and not computing:
+            return dict.fromkeys(("params", "grads", "optimizer", "activations", "temporaries", "gathered"), 0.0)
+        return {"params": 0.0 if offloaded else state["params"], "grads": grads,
+                "optimizer": 0.0 if offloaded else state["optimizer"], "activations": held,
                 "temporaries": moment.temporaries, "gathered": gathered if computing else 0.0}  # fmt: skip
 
     # FSDP's parameters are gathered while the step computes, resharded when the optimizer updates

@@ -3,7 +3,7 @@
 Each job (``tests/scripts/plan_fit.py``: 2 processes, a GPT-style model of a few hundred MB per rank) caps each
 rank's address space at its size before the model exists plus the budget, so the budget is what a device offers the
 layout. A budget the plan says fits (its peak with the default 10% headroom) must train; one the plan's peak exceeds
-by more than 10% must die for memory. One job at a time; about 15 s each.
+by more than 10% must die for memory. One job at a time; about 15 s each (12 jobs).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _run(layout: str, budget: float) -> subprocess.CompletedProcess:
                           cwd=SCRIPT.parents[2], check=False)  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "fsdp+ac", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "fsdp+ac", "tp2", "pp2", "fsdp+offload"])
 def test_a_budget_planned_to_fit_trains_and_one_short_by_more_than_10_percent_dies_for_memory(layout):
     peak = _planned(layout).peak_mb * 1e6
     enough, short = peak * 1.1, peak / 1.1 * 0.95  # the plan's fit with its headroom; its peak over 1.1 x budget

@@ -73,6 +73,26 @@ def test_a_gpt_planned_equals_the_memory_monitors_with_and_without_activation_ch
     _assert_close(2, ["ddp", "fsdp", "fsdp+ac", "tp2", "tp2+ac", "pp2", "pp2+ac"], GPT, token_dataset)
 
 
+def test_cpu_offload_keeps_the_state_the_monitor_measures_and_takes_it_off_a_gpus_peak():
+    """On the CPU the offloaded state stays in the one memory: the rows equal the monitor's, the peak unchanged. On a
+    GPU (``device="cuda"``, planned here, not run) the state moves to ``host_mb`` and out of the device's peak."""
+    layouts = ["fsdp+offload", "fsdp+ac+offload", "pp2+offload"]
+    _assert_close(2, layouts, GPT, token_dataset)
+    batch = token_dataset(LOADED).tensors
+    on_cpu = plan(GPT(), batch, world_size=2, layouts=["fsdp", *layouts])
+    on_gpu = plan(GPT(), batch, world_size=2, device="cuda", layouts=["fsdp", *layouts])
+    assert on_cpu["fsdp+offload"].peak_mb == on_cpu["fsdp"].peak_mb and on_cpu["fsdp+offload"].host_mb is None
+    assert on_gpu["fsdp"].peak_mb == on_cpu["fsdp"].peak_mb and on_gpu["fsdp"].host_mb is None
+    for name in layouts:
+        row, parts = on_gpu[name], on_gpu[name].peak_parts_mb
+        assert row.host_mb == pytest.approx(on_cpu[name].state_mb) and row.memory_mb == on_cpu[name].memory_mb
+        state_on_cpu = on_cpu[name].memory_mb["params_mb"] + on_cpu[name].memory_mb["optimizer_mb"]
+        assert parts["params"] == parts["optimizer"] == 0 and row.peak_mb <= on_cpu[name].peak_mb - state_on_cpu + 1e-9
+    assert plan(GPT(), world_size=2, layouts=["ddp+offload"])["ddp+offload"].refused == (
+        "AccelDDP has no CPU offload. Fix: 'fsdp+offload'."
+    )
+
+
 def _adam_model() -> _AdamModel:
     return _AdamModel(depth=4, width=63, hidden=252)
 
@@ -138,7 +158,8 @@ def test_a_libraries_vit_planned_equals_the_memory_monitors(make_model, world, l
 def test_every_layout_of_a_world_is_named_and_a_bad_one_refused_with_the_strategys_message():
     planned = plan(_model(), world_size=4)
     names = ["fsdp", "dp2xtp2", "tp4", "pp2xdp2", "pp2xtp2", "pp4"]
-    assert [row.name for row in planned.rows] == ["ddp", *[n for name in names for n in (name, name + "+ac")]]
+    expected = ["ddp", *[n for name in names for n in (name, name + "+ac")], "fsdp+offload", "fsdp+ac+offload"]
+    assert [row.name for row in planned.rows] == expected
     assert all(row.refused is None for row in planned.rows)
     # checkpointing keeps the state and saves less for the backward
     checkpointed = planned["fsdp+ac"].memory_mb

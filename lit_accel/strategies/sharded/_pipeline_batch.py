@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from lit_accel.strategies.sharded._pipeline import PipelineRunner
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["check_no_accumulation", "fit_pipeline", "pipeline_split"]
+__all__ = ["check_no_accumulation", "fit_pipeline", "no_accumulation", "pipeline_split"]
 
 
 def pipeline_split(plan: ParallelPlan, micro_batch_size: object) -> dict[str, Any]:
@@ -46,9 +46,15 @@ def check_no_accumulation(owner: str, trainer: pl.Trainer, plan: BatchPlan | Non
     if scheduled:
         what = "a GradientAccumulationScheduler callback"
     loader = f"DataLoader(batch_size={plan.loaded_batch_size * accumulation}) and " if plan is not None else ""
-    raise ValueError(
+    fix = f"{loader}Trainer(accumulate_grad_batches=1), or a larger loader batch_size"
+    raise ValueError(no_accumulation(owner, what, fix))
+
+
+def no_accumulation(owner: str, what: str, fix: str) -> str:
+    """The refusal of an accumulation ``what`` under a pipeline (the strategy's, and the planner's for its rows)."""
+    return (
         f"{owner}: {what}; under a pipeline one optimizer step is one pass over one loaded batch, so there is no"
-        f" accumulation. Fix: {loader}Trainer(accumulate_grad_batches=1), or a larger loader batch_size."
+        f" accumulation. Fix: {fix}."
     )
 
 
