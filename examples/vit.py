@@ -722,7 +722,8 @@ def print_plan(args: argparse.Namespace, module: pl.LightningModule, datamodule:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     device = "cuda" if _uses_cuda(args.accelerator) else "cpu"
-    print(lit_accel.plan(module, batch, world_size=args.world_size, device=device, precision=args.precision))
+    print(lit_accel.plan(module, batch, world_size=args.world_size, device=device, precision=args.precision,
+                         global_batch_size=args.global_batch_size))  # fmt: skip
 
 
 def build_callbacks(args: argparse.Namespace, run_dir: Path, efficiency: EfficiencyMonitor) -> list[Any]:

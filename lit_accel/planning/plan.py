@@ -24,7 +24,10 @@ from lit_accel.planning._activations import AUTOCAST, Activations, RankShape, me
 from lit_accel.planning._layouts import Candidate, candidates, parse
 from lit_accel.planning._peak import Moment, StepPeak, in_children
 from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
+from lit_accel.strategies.parts._micro_batches import batch_length
+from lit_accel.strategies.parts.batch_plan import BatchPlan, make_batch_plan
 from lit_accel.strategies.sharded._checks import check_pipeline_loss
+from lit_accel.strategies.sharded._pipeline_batch import no_accumulation, pipeline_split
 from lit_accel.utilities._units import format_bytes
 from lit_accel.utilities._validation import check_choice, check_int, check_number
 
@@ -70,6 +73,9 @@ class PlanRow:
     peak_parts_mb: dict[str, float] = field(default_factory=dict)
     #: the model state kept in host memory (CPU offload on a GPU: ``device="cuda"``), not in ``peak_mb``; else None
     host_mb: float | None = None
+    #: how a step's samples are loaded and accumulated under this layout (its data-parallel ranks differ from
+    #: another's): the strategy's own ``BatchPlan``; None without a batch
+    batch_plan: BatchPlan | None = None
 
     @property
     def state_mb(self) -> float | None:
@@ -82,7 +88,7 @@ class PlanRow:
         from lit_accel import AccelDDP, AccelFSDP, AccelParallel
 
         if self.kind == "ddp":
-            return AccelDDP()
+            return AccelDDP(**self.kwargs)
         if self.kind == "fsdp":
             return AccelFSDP(**self.kwargs)
         return AccelParallel(**self.kwargs)
@@ -111,7 +117,8 @@ class Plan:
     def to_json(self) -> str:
         """The report: world, precision and every row (its plan as ``describe()``)."""
         rows = [{"name": r.name, "plan": r.plan.describe() if r.plan else None, "memory_mb": r.memory_mb,
-                 "peak_mb": r.peak_mb, "peak_parts_mb": r.peak_parts_mb, "fits": r.fits, "refused": r.refused}
+                 "peak_mb": r.peak_mb, "peak_parts_mb": r.peak_parts_mb, "host_mb": r.host_mb, "fits": r.fits,
+                 "batch": r.batch_plan.describe() if r.batch_plan else None, "refused": r.refused}
                 for r in self.rows]  # fmt: skip
         return json.dumps({"world_size": self.world_size, "precision": self.precision, "rows": rows}, indent=2)
 
@@ -120,13 +127,15 @@ class Plan:
         from rich.table import Table
 
         table = Table(title=f"lit_accel.plan: {self.world_size} processes, {self.precision} (the largest rank's)")
-        for column in ("layout", "params", "grads", "optimizer", "activations", "peak", "fits / refused"):
+        columns = ("layout", "params", "grads", "optimizer", "activations", "peak", "accumulate", "fits / refused")
+        for column in columns:
             table.add_column(column, justify="left" if column in ("layout", "fits / refused") else "right")
         for row in self.rows:
             values = [row.memory_mb.get(k) for k in (*_STATE_KEYS, "activations_mb")] + [row.peak_mb]
             cells = ["-" if v is None else format_bytes(v * 1e6) for v in values]
+            accumulate = "-" if row.batch_plan is None else str(row.batch_plan.accumulate_grad_batches)
             verdict = row.refused or {None: "", True: "fits", False: "no"}[row.fits]
-            table.add_row(row.name, *cells, verdict)
+            table.add_row(row.name, *cells, accumulate, verdict)
         out = io.StringIO()
         Console(file=out, width=160, force_terminal=False).print(table)
         return out.getvalue()
@@ -138,6 +147,7 @@ def plan(
     *,
     world_size: int,
     device: str = "cpu",
+    global_batch_size: int | None = None,
     memory_per_device: float | None = None,
     headroom: float = 0.1,
     precision: str = "32-true",
@@ -147,7 +157,9 @@ def plan(
 
     ``batch``: one device's loaded batch (``None``: no activations). ``device``: where the layouts would train,
     ``"cpu"`` or ``"cuda"`` (a GPU's memory is apart from the host's: CPU offload takes the state off it into
-    ``host_mb``). ``memory_per_device``: bytes one device offers
+    ``host_mb``). ``global_batch_size``: samples per optimizer step, as the strategies take it (each layout's
+    accumulation in ``batch_plan``; one its data ranks and ``batch`` cannot make is refused with the strategy's
+    message; ``None``: one loaded batch per data rank). ``memory_per_device``: bytes one device offers
     (a layout whose predicted peak, or state alone, exceeds it is refused). ``headroom``: the share of the predicted
     peak kept free on top of it for what is not a tensor (the runtime's buffers, the allocator's slack) and the
     prediction's error (``docs/plan.md``: up to 7% below the real footprint measured). ``layouts``: names to plan
@@ -161,18 +173,54 @@ def plan(
     check_int(owner, "world_size", world_size, example=8)
     check_choice(owner, "precision", precision, tuple(_PARAM_DTYPES), "'32-true'")
     check_choice(owner, "device", device, ("cpu", "cuda"), "'cpu' or 'cuda'")
+    check_int(owner, "global_batch_size", global_batch_size, allow_none=True, example=256)
     check_number(owner, "memory_per_device", memory_per_device, allow_none=True, fix="bytes, e.g. 80e9")
     check_number(owner, "headroom", headroom, positive=False, fix="a share of the peak, e.g. 0.1")
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
     optimizer = optimizer_bytes(owner, module, world_size)
+    loaded = None if batch is None else batch_length(batch)
     states = [_state(module, candidate, precision, optimizer) for candidate in found]
+    # the batch's refusals after the layout's own (a pipeline with no pipeline_loss takes no batch at all)
+    batches = [None if isinstance(state, str) else _batch_plan(candidate, world_size, global_batch_size, loaded)
+               for candidate, state in zip(found, states)]  # fmt: skip
+    states = [batch_plan if isinstance(batch_plan, str) else state for state, batch_plan in zip(states, batches)]
     # one fake step per rank shape, for the layouts the state left in
     plans = {shape_key(c.plan): c.plan for c, state in zip(found, states) if not isinstance(state, str)}
     shapes = dict(zip(plans, _measure(module, batch, list(plans.values()), precision)))
     offered = None if memory_per_device is None else (memory_per_device, headroom)
     rows = [_row(module, candidate, state, shapes.get(shape_key(candidate.plan)), precision, device, offered)
             for candidate, state in zip(found, states)]  # fmt: skip
+    for row, batch_plan in zip(rows, batches):
+        row.batch_plan = batch_plan if isinstance(batch_plan, BatchPlan) else None
+        if global_batch_size is not None:  # its strategy plans the same accumulation at setup
+            row.kwargs = {**row.kwargs, "global_batch_size": global_batch_size}
     return Plan(rows, world_size, precision)
+
+
+def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | None,
+                loaded: int | None) -> BatchPlan | str | None:  # fmt: skip
+    """The layout's ``BatchPlan`` for one device's ``loaded`` batch, or why its strategy would refuse it (or None).
+
+    Over its data-parallel ranks (the world under DDP), split into a pipeline's micro-batches, which takes no
+    accumulation.
+    """
+    if loaded is None or candidate.refused is not None:
+        return None
+    plan = candidate.plan
+    ranks = world_size if plan is None else plan.layout.data
+    owner = {"ddp": "AccelDDP", "fsdp": "AccelFSDP"}.get(candidate.kind, "AccelParallel")
+    split = {} if plan is None else pipeline_split(plan, None)
+    try:
+        found = make_batch_plan(global_batch_size, loaded, ranks, micro_batches=split.get("micro_batches"),
+                                even_micro_batches=bool(split), owner=owner)  # fmt: skip
+    except ValueError as error:
+        return str(error)
+    if split and found.accumulate_grad_batches > 1:
+        whole = found.loaded_batch_size * found.accumulate_grad_batches
+        return no_accumulation(
+            owner, found.describe(), f"a loaded batch of {whole}, or global_batch_size={loaded * ranks}"
+        )
+    return found
 
 
 def _state(module: pl.LightningModule, candidate: Candidate, precision: str,

@@ -158,12 +158,14 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(vit, tmp_path, capsys):
 
 def test_plan_prints_every_layouts_memory_and_starts_no_run(vit, tmp_path, capsys):
     # issue #50: the run it would start, planned (4 processes' layouts), and nothing trained or written
-    assert vit.main(["--accelerator", "cpu", "--devices", "4", "--output", str(tmp_path), "--plan"]) == 0
+    argv = ["--accelerator", "cpu", "--devices", "4", "--batch-size", "8", "--global-batch-size", "64"]
+    assert vit.main([*argv, "--output", str(tmp_path), "--plan"]) == 0
     out = capsys.readouterr().out
     assert "lit_accel.plan: 4 processes, 32-true" in out
-    for layout in ("ddp", "fsdp", "dp2xtp2", "tp4"):
-        assert re.search(rf"│ {layout} +│ +[\d.]+ [kM]B", out), (layout, out)
-    assert "needs ImageClassifier.pipeline_loss" in out  # a pipeline layout is refused as the strategy would
+    # each layout's accumulation for the 64 images a step: 4, 4, 2 and 1 data ranks loading 8
+    for layout, accumulate in (("ddp", 2), ("fsdp", 2), ("dp2xtp2", 4), ("tp4", 8)):
+        assert re.search(rf"│ {layout} +│ +[\d.]+ [kM]B.*│ +{accumulate} │", out), (layout, out)
+    assert "ImageClassifier.pipeline_loss(output, target)" in out  # a pipeline is refused as the strategy would
     assert list(tmp_path.iterdir()) == []
 
 

@@ -183,6 +183,29 @@ def test_every_layout_of_a_world_is_named_and_a_bad_one_refused_with_the_strateg
     assert "pp2xdp2" in str(planned) and planned.best is not None
 
 
+def test_a_global_batch_is_each_layouts_accumulation_as_its_strategy_plans_it():
+    layouts = ["ddp", "fsdp", "dp2xtp2", "tp4", "pp2xdp2", "pp4"]
+    batch = dataset(LOADED).tensors
+    planned = plan(_model(), batch, world_size=4, global_batch_size=64, layouts=layouts)
+    # 64 samples a step over 4, 4, 2 and 1 data ranks loading 8 each
+    accumulation = {name: planned[name].batch_plan.accumulate_grad_batches for name in layouts[:4]}
+    assert accumulation == {"ddp": 2, "fsdp": 2, "dp2xtp2": 4, "tp4": 8}
+    assert planned["tp4"].strategy().parts.global_batch_size == 64 and planned["ddp"].strategy().global_batch_size == 64
+    # a pipeline takes no accumulation: refused with the loaded batch that makes the global one
+    assert "no accumulation. Fix: a loaded batch of 32" in planned["pp2xdp2"].refused
+    assert "Fix: a loaded batch of 64" in planned["pp4"].refused and planned["pp4"].memory_mb == {}
+    # accumulation keeps one loaded batch's activations; without a global batch each data rank loads one batch
+    alone = plan(_model(), batch, world_size=4, layouts=["fsdp", "pp2xdp2"])
+    assert alone["fsdp"].memory_mb == planned["fsdp"].memory_mb and alone["fsdp"].batch_plan.global_batch_size == 32
+    assert alone["pp2xdp2"].batch_plan.micro_batches == 4 and "global_batch_size" not in alone["fsdp"].kwargs
+    assert json.loads(alone.to_json())["rows"][1]["batch"] == alone["pp2xdp2"].batch_plan.describe()
+    # a global batch no whole accumulation makes is refused with the strategy's message, before any work
+    odd = plan(_model(), batch, world_size=4, global_batch_size=60, layouts=["ddp"])["ddp"]
+    assert odd.refused.startswith("AccelDDP(global_batch_size=60) cannot be split") and "Fix:" in odd.refused
+    with pytest.raises(ValueError, match=r"global_batch_size.*0.*Fix"):
+        plan(_model(), batch, world_size=4, global_batch_size=0)
+
+
 def test_a_layout_whose_state_does_not_fit_is_refused_and_a_7b_model_plans_on_the_meta_device():
     with torch.device("meta"):
         model = PipeModel(depth=32, width=4096, hidden=7 * 4096)  # 7.5e9 parameters: nothing is allocated
