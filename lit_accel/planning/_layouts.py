@@ -77,7 +77,7 @@ def parse(owner: str, name: str, world_size: int) -> Candidate:
         refused = None
         if kwargs:
             what = "CPU offload" if "cpu_offload" in kwargs else "activation checkpointing"
-            refused = f"AccelDDP has no {what}. Fix: 'fsdp{name[len(base) :]}'."
+            refused = f"{name!r}: AccelDDP has no {what}. Fix: 'fsdp{name[len(base) :]}'."
         return Candidate(name, kind, {}, None, refused)
     try:
         plan = ParallelPlan.build(owner, world_size, **kwargs)

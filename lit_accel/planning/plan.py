@@ -164,10 +164,12 @@ def plan(
     peak kept free on top of it for what is not a tensor (the runtime's buffers, the allocator's slack) and the
     prediction's error (``docs/plan.md``: up to 7% below the real footprint measured). ``layouts``: names to plan
     (default: every layout of the world: ``"ddp"``, ``"fsdp"``, ``"pp2"``, ``"tp2"``, ``"dp2xtp2"``, ..., each sharded
-    one also with ``"+ac"``). The module may be on the meta device: nothing is allocated.
+    one also with ``"+ac"``, FSDP also with ``"+offload"``). The module may be on the meta device: nothing is
+    allocated.
 
     Raises:
-        ValueError: a bad world size, precision or layout name. TypeError: ``configure_optimizers`` gives no optimizer.
+        ValueError: a bad world size, device, global batch size, precision or layout name.
+        TypeError: ``configure_optimizers`` gives no optimizer.
     """
     owner = OWNER
     check_int(owner, "world_size", world_size, example=8)
@@ -178,7 +180,7 @@ def plan(
     check_number(owner, "headroom", headroom, positive=False, fix="a share of the peak, e.g. 0.1")
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
     optimizer = optimizer_bytes(owner, module, world_size)
-    loaded = None if batch is None else batch_length(batch)
+    loaded = _loaded(batch, global_batch_size)
     states = [_state(module, candidate, precision, optimizer) for candidate in found]
     # the batch's refusals after the layout's own (a pipeline with no pipeline_loss takes no batch at all)
     batches = [None if isinstance(state, str) else _batch_plan(candidate, world_size, global_batch_size, loaded)
@@ -195,6 +197,22 @@ def plan(
         if global_batch_size is not None:  # its strategy plans the same accumulation at setup
             row.kwargs = {**row.kwargs, "global_batch_size": global_batch_size}
     return Plan(rows, world_size, precision)
+
+
+def _loaded(batch: Any, global_batch_size: int | None) -> int | None:
+    """The samples in one loaded ``batch`` (dim 0), or None.
+
+    None without a batch, or for one without a shared dim 0 when there is no global batch to split (a pipeline's
+    rows refuse it then, as the strategy would).
+    """
+    if batch is None:
+        return None
+    try:
+        return batch_length(batch)
+    except ValueError as error:
+        if global_batch_size is None:
+            return None
+        raise ValueError(f"{OWNER}(global_batch_size={global_batch_size}): {error}") from None
 
 
 def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | None,
@@ -270,14 +288,19 @@ def _row(module: pl.LightningModule, candidate: Candidate, state: dict[str, floa
         parts = _peak_parts(module, candidate.plan, row.kind, state, held, shape.step, precision, offloaded)
         row.peak_parts_mb = {key: value / 1e6 for key, value in parts.items()}
         row.peak_mb = sum(row.peak_parts_mb.values())
-    known = row.peak_mb * 1e6 if row.peak_mb is not None else (0.0 if offloaded else sum(state.values()))
+    if row.peak_mb is not None:
+        known, what = row.peak_mb * 1e6, "the predicted peak"
+    elif offloaded:  # the state is in host memory; FSDP still gathers the parameters on the device
+        dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
+        known, what = gathered_bytes(module, candidate.plan, state["params"], dtype), "the gathered parameters alone"
+    else:
+        known, what = sum(state.values()), "the model state alone"
     if offered is not None:
         memory, headroom = offered
         needed = known * (1 + headroom)
-        if row.peak_mb is not None or needed > memory:  # the state alone fitting says nothing of the peak
+        if row.peak_mb is not None or needed > memory:  # a lower bound fitting says nothing of the peak
             row.fits = needed <= memory
         if row.fits is False:
-            what = "the predicted peak" if row.peak_mb is not None else "the model state alone"
             row.refused = (f"{what} takes {known / 1e6:.1f} MB per device, {needed / 1e6:.1f} MB with the"
                            f" {headroom:.0%} headroom, {memory / 1e6:.1f} MB offered")  # fmt: skip
     return row

@@ -89,7 +89,7 @@ def test_cpu_offload_keeps_the_state_the_monitor_measures_and_takes_it_off_a_gpu
         state_on_cpu = on_cpu[name].memory_mb["params_mb"] + on_cpu[name].memory_mb["optimizer_mb"]
         assert parts["params"] == parts["optimizer"] == 0 and row.peak_mb <= on_cpu[name].peak_mb - state_on_cpu + 1e-9
     assert plan(GPT(), world_size=2, layouts=["ddp+offload"])["ddp+offload"].refused == (
-        "AccelDDP has no CPU offload. Fix: 'fsdp+offload'."
+        "'ddp+offload': AccelDDP has no CPU offload. Fix: 'fsdp+offload'."
     )
 
 
@@ -204,6 +204,33 @@ def test_a_global_batch_is_each_layouts_accumulation_as_its_strategy_plans_it():
     assert odd.refused.startswith("AccelDDP(global_batch_size=60) cannot be split") and "Fix:" in odd.refused
     with pytest.raises(ValueError, match=r"global_batch_size.*0.*Fix"):
         plan(_model(), batch, world_size=4, global_batch_size=0)
+
+
+class _WeightedModel(PipeModel):
+    """A batch of inputs, targets and a 0-dim loss weight: no one dim-0 size to split it by."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, weight = batch
+        return self.pipeline_loss(self(x), y) * weight
+
+
+def test_a_batch_without_one_dim_0_size_plans_unless_it_must_be_split():
+    x, y = dataset(LOADED).tensors
+    batch = (x, y, torch.tensor(0.5))
+    planned = plan(_WeightedModel(depth=4, width=63, hidden=252), batch, world_size=2, layouts=["fsdp", "pp2"])
+    assert planned["fsdp"].memory_mb["activations_mb"] > 0 and planned["fsdp"].batch_plan is None
+    # a pipeline splits it into micro-batches, as a global batch would need its size: both refuse, naming the fix
+    assert "dim-0 sizes ['0-dim', '8'] cannot be split" in planned["pp2"].refused and "Fix:" in planned["pp2"].refused
+    with pytest.raises(ValueError, match=r"global_batch_size=32\): a batch of tensors with dim-0 sizes .*Fix"):
+        plan(_WeightedModel(), batch, world_size=2, global_batch_size=32)
+
+
+def test_offloaded_rows_without_a_batch_are_held_to_the_parameters_fsdp_gathers_on_the_gpu():
+    tight = plan(_model(), world_size=4, device="cuda", memory_per_device=1.0, layouts=["fsdp", "fsdp+offload"])
+    assert "the model state alone" in tight["fsdp"].refused
+    assert "the gathered parameters alone" in tight["fsdp+offload"].refused and tight.best is None
+    roomy = plan(_model(), world_size=4, device="cuda", memory_per_device=80e9, layouts=["fsdp+offload"])
+    assert roomy["fsdp+offload"].fits is None and roomy["fsdp+offload"].host_mb == roomy["fsdp+offload"].state_mb
 
 
 def test_a_layout_whose_state_does_not_fit_is_refused_and_a_7b_model_plans_on_the_meta_device():

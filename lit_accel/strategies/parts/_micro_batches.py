@@ -83,7 +83,11 @@ def batch_length(batch: Any) -> int:
 
     visit(batch)
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"micro-batching needs tensors with one dim-0 size in the batch, got sizes {sorted(sizes)}")
+        shown = sorted("0-dim" if size is None else str(size) for size in sizes)
+        raise ValueError(
+            f"a batch of tensors with dim-0 sizes {shown} cannot be split into micro-batches. Fix: give every tensor"
+            " of the batch its samples along dim 0 (a scalar or a sequence-first tensor cannot be split)."
+        )
     return sizes.pop()
 
 
