@@ -27,7 +27,7 @@ from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_byt
 from lit_accel.strategies.parts._micro_batches import batch_length
 from lit_accel.strategies.parts.batch_plan import BatchPlan, make_batch_plan
 from lit_accel.strategies.sharded._checks import check_pipeline_loss
-from lit_accel.strategies.sharded._pipeline_batch import no_accumulation, pipeline_split
+from lit_accel.strategies.sharded._pipeline_batch import pipeline_split
 from lit_accel.utilities._units import format_bytes
 from lit_accel.utilities._validation import check_choice, check_int, check_number
 
@@ -229,16 +229,10 @@ def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | 
     owner = {"ddp": "AccelDDP", "fsdp": "AccelFSDP"}.get(candidate.kind, "AccelParallel")
     split = {} if plan is None else pipeline_split(plan, None)
     try:
-        found = make_batch_plan(global_batch_size, loaded, ranks, micro_batches=split.get("micro_batches"),
-                                even_micro_batches=bool(split), owner=owner)  # fmt: skip
+        return make_batch_plan(global_batch_size, loaded, ranks, micro_batches=split.get("micro_batches"),
+                               even_micro_batches=bool(split), accumulates=not split, owner=owner)  # fmt: skip
     except ValueError as error:
         return str(error)
-    if split and found.accumulate_grad_batches > 1:
-        whole = found.loaded_batch_size * found.accumulate_grad_batches
-        return no_accumulation(
-            owner, found.describe(), f"a loaded batch of {whole}, or global_batch_size={loaded * ranks}"
-        )
-    return found
 
 
 def _state(module: pl.LightningModule, candidate: Candidate, precision: str,

@@ -192,8 +192,12 @@ def test_a_global_batch_is_each_layouts_accumulation_as_its_strategy_plans_it():
     assert accumulation == {"ddp": 2, "fsdp": 2, "dp2xtp2": 4, "tp4": 8}
     assert planned["tp4"].strategy().parts.global_batch_size == 64 and planned["ddp"].strategy().global_batch_size == 64
     # a pipeline takes no accumulation: refused with the loaded batch that makes the global one
-    assert "no accumulation. Fix: a loaded batch of 32" in planned["pp2xdp2"].refused
-    assert "Fix: a loaded batch of 64" in planned["pp4"].refused and planned["pp4"].memory_mb == {}
+    assert (
+        "no accumulation. Fix: global_batch_size=16, or a train dataloader batch_size of 32."
+        in planned["pp2xdp2"].refused
+    )
+    assert "Fix: global_batch_size=8, or a train dataloader batch_size of 64." in planned["pp4"].refused
+    assert planned["pp4"].memory_mb == {}
     # accumulation keeps one loaded batch's activations; without a global batch each data rank loads one batch
     alone = plan(_model(), batch, world_size=4, layouts=["fsdp", "pp2xdp2"])
     assert alone["fsdp"].memory_mb == planned["fsdp"].memory_mb and alone["fsdp"].batch_plan.global_batch_size == 32

@@ -121,6 +121,25 @@ def test_a_micro_batch_count_splits_the_loaded_batch_equally_or_names_the_neares
         assert make_batch_plan(None, loaded, ranks, micro_batches=choice).micro_batches == choice
 
 
+@settings(max_examples=200, deadline=None)
+@given(global_size=st.integers(1, 512), loaded=st.integers(1, 64), ranks=st.integers(1, 8))
+def test_a_step_that_takes_no_accumulation_needs_one_loaded_batch_per_rank_or_names_the_sizes_that_make_it(
+    global_size: int, loaded: int, ranks: int
+) -> None:
+    # a pipeline's step: the nearest multiples would accumulate too, so the fix names the sizes that need none
+    if global_size == loaded * ranks:
+        assert make_batch_plan(global_size, loaded, ranks, accumulates=False).accumulate_grad_batches == 1
+        return
+    with pytest.raises(ValueError) as info:
+        make_batch_plan(global_size, loaded, ranks, accumulates=False)
+    message = str(info.value)
+    assert "so there is no accumulation. Fix: global_batch_size=" + str(loaded * ranks) in message
+    per_rank = global_size // ranks
+    assert (f"train dataloader batch_size of {per_rank}." in message) == (global_size % ranks == 0), message
+    if global_size % ranks == 0:
+        assert make_batch_plan(global_size, per_rank, ranks, accumulates=False).global_batch_size == global_size
+
+
 def test_without_a_global_batch_the_trainers_accumulation_is_kept() -> None:
     plan = make_batch_plan(None, 16, 4, 4, accumulate_grad_batches=3)
     assert plan == BatchPlan(192, 16, 4, 4, 3, 4)

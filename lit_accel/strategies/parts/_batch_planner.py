@@ -82,7 +82,8 @@ class BatchPlanner:
         """At the start of the strategy's ``setup``: the plan of this fit, applied and announced (``None``: not known).
 
         With ``global_batch_size``, ``micro_batch_size`` or ``micro_batches`` (the strategy's count of equal
-        micro-batches per loaded batch, e.g. a pipeline's; it wins over ``micro_batch_size``) the train dataloader is
+        micro-batches per loaded batch, e.g. a pipeline's; it wins over ``micro_batch_size``; ``even_micro_batches``: a
+        pipeline's split, whose step takes one loaded batch, so no accumulation) the train dataloader is
         loaded now (as ``estimated_stepping_batches`` would); a global batch size is agreed on by the ``group``'s
         ranks, and every rank raises the same error for a plan that cannot be made. With none, there is no plan.
         """
@@ -144,7 +145,8 @@ class BatchPlanner:
         accumulation = trainer.accumulate_grad_batches if self.global_batch_size is None else self._user_accumulation
         plan = make_batch_plan(
             self.global_batch_size, loaded, ranks, micro,
-            accumulate_grad_batches=accumulation, even_micro_batches=even, micro_batches=count, owner=self.owner,
+            accumulate_grad_batches=accumulation, even_micro_batches=even, micro_batches=count,
+            accumulates=not even, owner=self.owner,
         )  # fmt: skip
         module = trainer.lightning_module
         if plan.accumulate_grad_batches > 1 and not module.automatic_optimization:

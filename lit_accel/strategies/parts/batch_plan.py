@@ -23,6 +23,7 @@ __all__ = [
     "make_batch_plan",
     "nearest_divisors",
     "nearest_global_batch_sizes",
+    "no_accumulation",
 ]
 
 
@@ -94,6 +95,7 @@ def make_batch_plan(
     accumulate_grad_batches: int = 1,
     even_micro_batches: bool = False,
     micro_batches: int | None = None,
+    accumulates: bool = True,
     owner: str = "AccelDDP",
 ) -> BatchPlan:
     """Make the plan, or say in one error which size is wrong and the nearest valid choices.
@@ -107,6 +109,8 @@ def make_batch_plan(
         even_micro_batches: require ``micro_batch_size`` to divide the loaded batch (pipeline schedules).
         micro_batches: split each loaded batch into this many equal micro-batches instead (a pipeline's count; it
             must divide the loaded batch, and wins over ``micro_batch_size``).
+        accumulates: whether a step may take several loaded batches (a pipeline's takes one: the global batch must
+            then be one loaded batch per rank).
         owner: the class named in error messages.
 
     Raises:
@@ -131,7 +135,7 @@ def make_batch_plan(
         global_size, accumulation = loaded * user_accumulation * ranks, user_accumulation
     else:
         global_size = _positive(owner, "global_batch_size", global_batch_size)
-        accumulation = _accumulation(owner, global_size, loaded, ranks)
+        accumulation = _accumulation(owner, global_size, loaded, ranks, accumulates)
         if user_accumulation not in (1, accumulation):
             raise ValueError(
                 f"{owner}(global_batch_size={global_size}) gives accumulate_grad_batches={accumulation}, not"
@@ -170,10 +174,22 @@ def _micro_of_count(owner: str, count: int, loaded: int) -> int:
     return loaded // count
 
 
-def _accumulation(owner: str, global_size: int, loaded: int, ranks: int) -> int:
+def no_accumulation(owner: str, what: str, fix: str) -> str:
+    """The refusal of an accumulation ``what`` under a pipeline (the strategies', and the planner's for its rows)."""
+    return (
+        f"{owner}: {what}; under a pipeline one optimizer step is one pass over one loaded batch, so there is no"
+        f" accumulation. Fix: {fix}."
+    )
+
+
+def _accumulation(owner: str, global_size: int, loaded: int, ranks: int, accumulates: bool) -> int:
     step = loaded * ranks
-    if global_size % step == 0:
+    if global_size % step == 0 and (accumulates or global_size == step):
         return global_size // step
+    if not accumulates:  # the nearest multiples would need an accumulation too: name the sizes that make it in one
+        loader = f", or a train dataloader batch_size of {global_size // ranks}" if global_size % ranks == 0 else ""
+        what = f"global_batch_size={global_size} with loaded batches of {loaded} x {ranks} data-parallel rank(s)"
+        raise ValueError(no_accumulation(owner, what, f"global_batch_size={step}{loader}"))
     globals_ = " or ".join(
         f"{g} ({g // step} accumulation step{'s' if g // step > 1 else ''})"
         for g in nearest_global_batch_sizes(global_size, loaded, ranks)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit_accel.strategies.parts.batch_plan import no_accumulation
 from lit_accel.strategies.sharded._schedules import analytic_bubble
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from lit_accel.strategies.sharded._pipeline import PipelineRunner
     from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["check_no_accumulation", "fit_pipeline", "no_accumulation", "pipeline_split"]
+__all__ = ["check_no_accumulation", "fit_pipeline", "pipeline_split"]
 
 
 def pipeline_split(plan: ParallelPlan, micro_batch_size: object) -> dict[str, Any]:
@@ -48,14 +49,6 @@ def check_no_accumulation(owner: str, trainer: pl.Trainer, plan: BatchPlan | Non
     loader = f"DataLoader(batch_size={plan.loaded_batch_size * accumulation}) and " if plan is not None else ""
     fix = f"{loader}Trainer(accumulate_grad_batches=1), or a larger loader batch_size"
     raise ValueError(no_accumulation(owner, what, fix))
-
-
-def no_accumulation(owner: str, what: str, fix: str) -> str:
-    """The refusal of an accumulation ``what`` under a pipeline (the strategy's, and the planner's for its rows)."""
-    return (
-        f"{owner}: {what}; under a pipeline one optimizer step is one pass over one loaded batch, so there is no"
-        f" accumulation. Fix: {fix}."
-    )
 
 
 def fit_pipeline(owner: str, pipeline: PipelineRunner | None, plan: BatchPlan | None) -> None:
