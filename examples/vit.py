@@ -722,8 +722,16 @@ def print_plan(args: argparse.Namespace, module: pl.LightningModule, datamodule:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     device = "cuda" if _uses_cuda(args.accelerator) else "cpu"
+    memory = _device_memory(args, device)
     print(lit_accel.plan(module, batch, world_size=args.world_size, device=device, precision=args.precision,
-                         global_batch_size=args.global_batch_size))  # fmt: skip
+                         global_batch_size=args.global_batch_size, memory_per_device=memory))  # fmt: skip
+
+
+def _device_memory(args: argparse.Namespace, device: str) -> float | None:
+    """One device's memory, for --plan's fit verdicts: the first GPU's, else this host's RAM over its processes."""
+    if device == "cuda":
+        return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, args.world_size // args.num_nodes)
 
 
 def build_callbacks(args: argparse.Namespace, run_dir: Path, efficiency: EfficiencyMonitor) -> list[Any]:
