@@ -127,11 +127,14 @@ class Plan:
         from rich.table import Table
 
         table = Table(title=f"lit_accel.plan: {self.world_size} processes, {self.precision} (the largest rank's)")
-        columns = ("layout", "params", "grads", "optimizer", "activations", "peak", "accumulate", "fits / refused")
+        hosted = any(row.host_mb is not None for row in self.rows)  # CPU offload on a GPU: the state's other home
+        columns = ("layout", "params", "grads", "optimizer", "activations", "peak", *(("host",) if hosted else ()),
+                   "accumulate", "fits / refused")  # fmt: skip
         for column in columns:
             table.add_column(column, justify="left" if column in ("layout", "fits / refused") else "right")
         for row in self.rows:
             values = [row.memory_mb.get(k) for k in (*_STATE_KEYS, "activations_mb")] + [row.peak_mb]
+            values += [row.host_mb] if hosted else []
             cells = ["-" if v is None else format_bytes(v * 1e6) for v in values]
             accumulate = "-" if row.batch_plan is None else str(row.batch_plan.accumulate_grad_batches)
             verdict = row.refused or {None: "", True: "fits", False: "no"}[row.fits]

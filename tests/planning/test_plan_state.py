@@ -235,6 +235,8 @@ def test_offloaded_rows_without_a_batch_are_held_to_the_parameters_fsdp_gathers_
     assert "the gathered parameters alone" in tight["fsdp+offload"].refused and tight.best is None
     roomy = plan(_model(), world_size=4, device="cuda", memory_per_device=80e9, layouts=["fsdp+offload"])
     assert roomy["fsdp+offload"].fits is None and roomy["fsdp+offload"].host_mb == roomy["fsdp+offload"].state_mb
+    # the table gains a host column where the state moved there
+    assert "host" in str(roomy).splitlines()[2] and "host" not in str(plan(_model(), world_size=4, layouts=["fsdp"]))
 
 
 def test_a_layout_whose_state_does_not_fit_is_refused_and_a_7b_model_plans_on_the_meta_device():
