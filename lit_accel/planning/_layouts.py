@@ -16,10 +16,12 @@ from typing import Any
 
 from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["Candidate", "candidates", "parse"]
+__all__ = ["STRATEGIES", "Candidate", "candidates", "parse"]
 
 _NAME = re.compile(r"^(?:pp(\d+))?x?(?:dp(\d+))?x?(?:tp(\d+))?$")
 _AC = "+ac"
+#: each candidate kind's strategy class (its name in ``lit_accel`` and in the strategy's messages)
+STRATEGIES = {"ddp": "AccelDDP", "fsdp": "AccelFSDP", "parallel": "AccelParallel"}
 #: the suffixes a sharded layout's name may end with, in this order, and the keyword each sets
 _SUFFIXES = (("+offload", "cpu_offload"), (_AC, "activation_checkpointing"))
 
@@ -29,7 +31,7 @@ class Candidate:
     """One layout to plan: its name, the strategy's keyword arguments, its plan or why it cannot run."""
 
     name: str
-    #: ``"ddp"``, ``"fsdp"`` or ``"parallel"``: the strategy class
+    #: ``"ddp"``, ``"fsdp"`` or ``"parallel"``: the strategy class (``STRATEGIES``)
     kind: str
     #: the strategy's keyword arguments (sizes; the data size is inferred)
     kwargs: dict[str, Any]
@@ -57,33 +59,35 @@ def parse(owner: str, name: str, world_size: int) -> Candidate:
     for suffix, keyword in _SUFFIXES:
         if base.endswith(suffix):
             base, kwargs[keyword] = base[: -len(suffix)], True
-    if base in ("ddp", "fsdp"):
-        kind = base
-    else:
-        match = _NAME.match(base)
-        if not base or match is None or not any(match.groups()):
-            raise ValueError(
-                f"{owner}(layouts=[{name!r}]): not a layout name. Fix: 'ddp', 'fsdp' or sizes joined by 'x', e.g."
-                " 'pp2', 'tp2', 'dp2xtp2', 'pp2xdp2', each sharded one optionally with '+ac', '+offload' or"
-                " '+ac+offload'."
-            )
-        pipeline, data, tensor = (int(g) if g else 1 for g in match.groups())
+    if base == "ddp":
+        what = "CPU offload" if "cpu_offload" in kwargs else "activation checkpointing"
+        refused = f"{name!r}: AccelDDP has no {what}. Fix: 'fsdp{name[len(base) :]}'." if kwargs else None
+        return Candidate(name, "ddp", {}, None, refused)
+    kind = "fsdp" if base == "fsdp" else "parallel"
+    if kind == "parallel":
+        pipeline, data, tensor = _sizes(owner, name, base)
         if data > 1 and pipeline * data * tensor != world_size:
             return Candidate(name, "parallel", {}, None, f"{base} needs {pipeline * data * tensor} processes, not"
                              f" {world_size}")  # fmt: skip
-        kind = "parallel"
         kwargs.update(pipeline_parallel=pipeline, tensor_parallel=tensor)
-    if kind == "ddp":
-        refused = None
-        if kwargs:
-            what = "CPU offload" if "cpu_offload" in kwargs else "activation checkpointing"
-            refused = f"{name!r}: AccelDDP has no {what}. Fix: 'fsdp{name[len(base) :]}'."
-        return Candidate(name, kind, {}, None, refused)
     try:
         plan = ParallelPlan.build(owner, world_size, **kwargs)
     except (ValueError, TypeError) as error:
         return Candidate(name, kind, kwargs, None, str(error))
     return Candidate(name, kind, kwargs, plan)
+
+
+def _sizes(owner: str, name: str, base: str) -> tuple[int, int, int]:
+    """The pipeline, data and tensor sizes ``base`` names (1 where it names none)."""
+    match = _NAME.match(base)
+    if not base or match is None or not any(match.groups()):
+        raise ValueError(
+            f"{owner}(layouts=[{name!r}]): not a layout name. Fix: 'ddp', 'fsdp' or sizes joined by 'x', e.g."
+            " 'pp2', 'tp2', 'dp2xtp2', 'pp2xdp2', each sharded one optionally with '+ac', '+offload' or"
+            " '+ac+offload'."
+        )
+    pipeline, data, tensor = (int(g) if g else 1 for g in match.groups())
+    return pipeline, data, tensor
 
 
 def candidates(owner: str, world_size: int) -> list[Candidate]:

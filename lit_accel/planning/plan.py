@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lit_accel.planning._activations import AUTOCAST, Activations, RankShape, measure_shape, rank_activations, shape_key
-from lit_accel.planning._layouts import Candidate, candidates, parse
+from lit_accel.planning._layouts import STRATEGIES, Candidate, candidates, parse
 from lit_accel.planning._peak import Moment, StepPeak, in_children
 from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
 from lit_accel.strategies.parts._micro_batches import batch_length
@@ -85,13 +85,9 @@ class PlanRow:
 
     def strategy(self) -> Strategy:
         """The configured strategy of this layout, for ``Trainer(strategy=...)``."""
-        from lit_accel import AccelDDP, AccelFSDP, AccelParallel
+        import lit_accel  # (lit_accel imports this module)
 
-        if self.kind == "ddp":
-            return AccelDDP(**self.kwargs)
-        if self.kind == "fsdp":
-            return AccelFSDP(**self.kwargs)
-        return AccelParallel(**self.kwargs)
+        return getattr(lit_accel, STRATEGIES[self.kind])(**self.kwargs)
 
 
 class Plan:
@@ -184,19 +180,17 @@ def plan(
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
     optimizer = optimizer_bytes(owner, module, world_size)
     loaded = _loaded(batch, global_batch_size)
-    states = [_state(module, candidate, precision, optimizer) for candidate in found]
-    # the batch's refusals after the layout's own (a pipeline with no pipeline_loss takes no batch at all)
-    batches = [None if isinstance(state, str) else _batch_plan(candidate, world_size, global_batch_size, loaded)
-               for candidate, state in zip(found, states)]  # fmt: skip
-    states = [batch_plan if isinstance(batch_plan, str) else state for state, batch_plan in zip(states, batches)]
+    admitted = [_admitted(module, candidate, precision, optimizer, (world_size, global_batch_size, loaded))
+                for candidate in found]  # fmt: skip
+    states = [state for state, _ in admitted]
     # one fake step per rank shape, for the layouts the state left in
     plans = {shape_key(c.plan): c.plan for c, state in zip(found, states) if not isinstance(state, str)}
     shapes = dict(zip(plans, _measure(module, batch, list(plans.values()), precision)))
     offered = None if memory_per_device is None else (memory_per_device, headroom)
     rows = [_row(module, candidate, state, shapes.get(shape_key(candidate.plan)), precision, device, offered)
             for candidate, state in zip(found, states)]  # fmt: skip
-    for row, batch_plan in zip(rows, batches):
-        row.batch_plan = batch_plan if isinstance(batch_plan, BatchPlan) else None
+    for row, (_, batch_plan) in zip(rows, admitted):
+        row.batch_plan = batch_plan
         if global_batch_size is not None:  # its strategy plans the same accumulation at setup
             row.kwargs = {**row.kwargs, "global_batch_size": global_batch_size}
     return Plan(rows, world_size, precision)
@@ -218,6 +212,25 @@ def _loaded(batch: Any, global_batch_size: int | None) -> int | None:
         raise ValueError(f"{OWNER}(global_batch_size={global_batch_size}): {error}") from None
 
 
+def _admitted(
+    module: pl.LightningModule,
+    candidate: Candidate,
+    precision: str,
+    optimizer: dict[str, tuple[float, float]],
+    batches: tuple[int, int | None, int | None],
+) -> tuple[dict[str, float] | str, BatchPlan | None]:
+    """The layout's model state and batch plan, or why it is refused (and None).
+
+    The layout's own reasons come first (a pipeline with no ``pipeline_loss`` takes no batch at all), then the
+    batch's. ``batches``: the world size, the global batch size and one device's loaded batch size.
+    """
+    state = _state(module, candidate, precision, optimizer)
+    if isinstance(state, str):
+        return state, None
+    batch_plan = _batch_plan(candidate, *batches)
+    return (batch_plan, None) if isinstance(batch_plan, str) else (state, batch_plan)
+
+
 def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | None,
                 loaded: int | None) -> BatchPlan | str | None:  # fmt: skip
     """The layout's ``BatchPlan`` for one device's ``loaded`` batch, or why its strategy would refuse it (or None).
@@ -229,7 +242,7 @@ def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | 
         return None
     plan = candidate.plan
     ranks = world_size if plan is None else plan.layout.data
-    owner = {"ddp": "AccelDDP", "fsdp": "AccelFSDP"}.get(candidate.kind, "AccelParallel")
+    owner = STRATEGIES[candidate.kind]
     split = {} if plan is None else pipeline_split(plan, None)
     try:
         return make_batch_plan(global_batch_size, loaded, ranks, micro_batches=split.get("micro_batches"),
@@ -276,31 +289,40 @@ def _row(module: pl.LightningModule, candidate: Candidate, state: dict[str, floa
         row.refused = state if isinstance(state, str) else shape
         return row
     row.memory_mb = {f"{key}_mb": value / 1e6 for key, value in state.items()}
+    row.memory_mb["activations_mb"] = None  # until a batch's step is measured
+    # a GPU's memory is apart from the host's, where CPU offload keeps the state
     offloaded = candidate.plan is not None and candidate.plan.cpu_offload and device != "cpu"
-    if offloaded:
-        row.host_mb = sum(state.values()) / 1e6
-    held = None if shape is None else rank_activations(candidate.plan, shape)
-    row.memory_mb["activations_mb"] = None if held is None else held.per_micro_batch / 1e6
-    if held is not None and shape is not None:
+    row.host_mb = sum(state.values()) / 1e6 if offloaded else None
+    if shape is not None:
+        held = rank_activations(candidate.plan, shape)
+        row.memory_mb["activations_mb"] = held.per_micro_batch / 1e6
         parts = _peak_parts(module, candidate.plan, row.kind, state, held, shape.step, precision, offloaded)
         row.peak_parts_mb = {key: value / 1e6 for key, value in parts.items()}
         row.peak_mb = sum(row.peak_parts_mb.values())
-    if row.peak_mb is not None:
-        known, what = row.peak_mb * 1e6, "the predicted peak"
-    elif offloaded:  # the state is in host memory; FSDP still gathers the parameters on the device
-        dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
-        known, what = gathered_bytes(module, candidate.plan, state["params"], dtype), "the gathered parameters alone"
-    else:
-        known, what = sum(state.values()), "the model state alone"
     if offered is not None:
-        memory, headroom = offered
-        needed = known * (1 + headroom)
-        if row.peak_mb is not None or needed > memory:  # a lower bound fitting says nothing of the peak
-            row.fits = needed <= memory
-        if row.fits is False:
-            row.refused = (f"{what} takes {known / 1e6:.1f} MB per device, {needed / 1e6:.1f} MB with the"
-                           f" {headroom:.0%} headroom, {memory / 1e6:.1f} MB offered")  # fmt: skip
+        _judge(row, *_least_on_device(module, candidate.plan, state, row.peak_mb, precision, offloaded), *offered)
     return row
+
+
+def _least_on_device(module: pl.LightningModule, plan: ParallelPlan | None, state: dict[str, float],
+                     peak_mb: float | None, precision: str, offloaded: bool) -> tuple[float, str]:  # fmt: skip
+    """The bytes a device needs at least, and what they are: the predicted peak, else a lower bound of it."""
+    if peak_mb is not None:
+        return peak_mb * 1e6, "the predicted peak"
+    if offloaded:  # the state is in host memory; FSDP still gathers the parameters on the device
+        dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
+        return gathered_bytes(module, plan, state["params"], dtype), "the gathered parameters alone"
+    return sum(state.values()), "the model state alone"
+
+
+def _judge(row: PlanRow, known: float, what: str, memory: float, headroom: float) -> None:
+    """``row.fits`` (and the refusal) for ``known`` bytes with ``headroom`` on top against ``memory`` offered."""
+    needed = known * (1 + headroom)
+    if row.peak_mb is not None or needed > memory:  # a lower bound fitting says nothing of the peak
+        row.fits = needed <= memory
+    if row.fits is False:
+        row.refused = (f"{what} takes {known / 1e6:.1f} MB per device, {needed / 1e6:.1f} MB with the"
+                       f" {headroom:.0%} headroom, {memory / 1e6:.1f} MB offered")  # fmt: skip
 
 
 def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str, state: dict[str, float],

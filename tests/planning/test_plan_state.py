@@ -144,7 +144,7 @@ def test_state_per_rank_equals_the_memory_monitors_on_one_and_four_processes(mak
 @pytest.mark.parametrize(
     ("make_model", "world", "layouts"),
     [
-        (_timm_vit, 2, ["ddp", "fsdp", "fsdp+ac", "tp2", "pp2", "pp2+ac"]),
+        (_timm_vit, 2, ["ddp", "fsdp", "fsdp+ac", "fsdp+offload", "tp2", "pp2", "pp2+ac"]),
         (_timm_vit, 4, ["dp2xtp2", "dp2xtp2+ac", "pp2xdp2", "tp4", "pp4"]),
         (_torchvision_vit, 2, ["ddp", "fsdp", "fsdp+ac", "tp2", "pp2", "pp2+ac"]),
         (_torchvision_vit, 4, ["dp2xtp2", "pp2xdp2", "pp2xdp2+ac", "tp4", "pp4"]),
