@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, NamedTuple
 
 from lit_accel.meters._stragglers import straggler_metrics
-from lit_accel.protocols import BusBytes
+from lit_accel.protocols import BusBytes, ExposedComm, PipelineBubbleStats
 from lit_accel.utilities._peak_flops import ideal_seconds, mfu
 from lit_accel.utilities._validation import check_number
 
@@ -26,6 +26,7 @@ __all__ = [
     "comm_totals",
     "dtype_shares",
     "pipeline_metrics",
+    "read_comm",
     "window_metrics",
 ]
 
@@ -127,6 +128,23 @@ def comm_totals(comm_stats: CommStats, n: int) -> tuple[float, float]:
     return total, total * 2 * (n - 1) / n if n > 1 else 0.0
 
 
+def read_comm(window: RankWindow, stats: CommStats, world_size: int,
+              at_start: tuple[float, float]) -> tuple[float, float]:  # fmt: skip
+    """Fill ``window``'s communication from the strategy's counters; returns their totals now.
+
+    The bytes since ``at_start`` (the totals when the window began), the time, the exposed time and the pipeline's
+    bubble where measured.
+    """
+    total, bus = comm_totals(stats, world_size)
+    window.comm_bytes, window.comm_bus_bytes = total - at_start[0], bus - at_start[1]
+    window.comm_s = float(stats.pop_elapsed_s())
+    if isinstance(stats, ExposedComm):
+        window.comm_exposed_s = float(stats.pop_exposed_s())
+    if isinstance(stats, PipelineBubbleStats) and (bubble := stats.pop_pipeline_bubble()):
+        window.pipeline_busy_s, window.pipeline_wall_s, window.pipeline_idle_s = bubble
+    return total, bus
+
+
 def window_metrics(
     rows: list[RankWindow], window_s: float, config: EfficiencyConfig, has_comm: bool, has_exposed: bool = False
 ) -> tuple[dict[str, float], MfuIssue | None]:
@@ -139,48 +157,79 @@ def window_metrics(
     if window_s <= 0 or steps <= 0:
         return {}, None
     samples = sum(r.samples for r in rows)
-    per_device = samples / window_s / n
     out = {
         "samples_per_sec": samples / window_s,
-        "samples_per_sec_per_device": per_device,
+        "samples_per_sec_per_device": samples / window_s / n,
         "items_per_sec": sum(r.items for r in rows) / window_s,
         "step_time_ms": 1e3 * window_s / steps,
         "data_wait_frac": sum(r.data_wait_s / r.window_s for r in rows if r.window_s > 0) / n,
     }
-    issue = None
-    if config.flops_per_sample is not None:
-        out["tflops_per_device"] = sum(r.flops for r in rows) / window_s / n / 1e12
-        if config.peak_flops is not None:
-            value, issue = _mfu(rows, window_s, config)
-            if value is not None:
-                out["mfu"] = value  # never above 1: the peak (or the FLOP count) would be wrong
-    if config.cuda:
-        out["peak_memory_gb"] = max(r.peak_memory_bytes for r in rows) / 1e9
-    busy = [r.busy_s for r in rows]
-    if n > 1 and min(busy) > 0:
-        out["step_time_spread"] = max(busy) / min(busy)
-    if config.baseline_samples_per_sec is not None:
-        out["scaling_efficiency"] = per_device / config.baseline_samples_per_sec
-    comm_bytes, comm_s = sum(r.comm_bytes for r in rows) / n, sum(r.comm_s for r in rows) / n
-    if has_comm and comm_bytes > 0:
-        out["comm_gb_per_step"] = comm_bytes / steps / 1e9
-        if comm_s > 0 and n > 1:
-            # nccl-tests' bus bandwidth: the bytes the ring algorithms move per rank, over the time.
-            out["comm_busbw_gbps"] = sum(r.comm_bus_bytes for r in rows) / n / comm_s / 1e9
-            # At most 1 per rank: an estimate (AccelDDP's, from an earlier sampled round) can exceed a short window.
-            out["comm_time_frac"] = sum(min(1.0, r.comm_s / r.window_s) for r in rows if r.window_s > 0) / n
+    flops, issue = _flops_metrics(rows, window_s, config)
+    out.update(flops)
+    out.update(_balance_metrics(rows, config, out["samples_per_sec_per_device"]))
+    if has_comm:
+        out.update(_comm_metrics(rows, steps))
     if has_exposed:
-        out["comm_exposed_frac"] = sum(min(1.0, r.comm_exposed_s / r.window_s) for r in rows if r.window_s > 0) / n
-        # The source document's T_compute / (T_compute + T_comm), with T_compute = W - data wait - exposed comm.
-        unblocked = sum(max(0.0, r.window_s - r.data_wait_s) for r in rows)
-        if unblocked > 0:
-            out["compute_frac"] = max(0.0, 1.0 - sum(r.comm_exposed_s for r in rows) / unblocked)
+        out.update(_exposed_metrics(rows))
     if max(r.compiles for r in rows) > 0:
         out["recompiles"] = max(r.recompiles for r in rows)
     if n > 1:
         out.update(straggler_metrics(rows, has_exposed, config.straggler_threshold).metrics())
     out.update(pipeline_metrics(rows))
     return out, issue
+
+
+def _flops_metrics(rows: list[RankWindow], window_s: float,
+                   config: EfficiencyConfig) -> tuple[dict[str, float], MfuIssue | None]:  # fmt: skip
+    """TFLOP/s per device and MFU where the FLOPs per sample (and the peak) are known, and why MFU is missing."""
+    if config.flops_per_sample is None:
+        return {}, None
+    out = {"tflops_per_device": sum(r.flops for r in rows) / window_s / len(rows) / 1e12}
+    if config.peak_flops is None:
+        return out, None
+    value, issue = _mfu(rows, window_s, config)
+    if value is not None:
+        out["mfu"] = value  # never above 1: the peak (or the FLOP count) would be wrong
+    return out, issue
+
+
+def _balance_metrics(rows: list[RankWindow], config: EfficiencyConfig, per_device: float) -> dict[str, float]:
+    """The peak memory (CUDA), the spread of busy time over ranks and the scaling efficiency against a baseline."""
+    out = {}
+    if config.cuda:
+        out["peak_memory_gb"] = max(r.peak_memory_bytes for r in rows) / 1e9
+    busy = [r.busy_s for r in rows]
+    if len(rows) > 1 and min(busy) > 0:
+        out["step_time_spread"] = max(busy) / min(busy)
+    if config.baseline_samples_per_sec is not None:
+        out["scaling_efficiency"] = per_device / config.baseline_samples_per_sec
+    return out
+
+
+def _comm_metrics(rows: list[RankWindow], steps: int) -> dict[str, float]:
+    """Communication volume per step and, across processes, its bus bandwidth and share of the window."""
+    n = len(rows)
+    comm_bytes, comm_s = sum(r.comm_bytes for r in rows) / n, sum(r.comm_s for r in rows) / n
+    if comm_bytes <= 0:
+        return {}
+    out = {"comm_gb_per_step": comm_bytes / steps / 1e9}
+    if comm_s > 0 and n > 1:
+        # nccl-tests' bus bandwidth: the bytes the ring algorithms move per rank, over the time.
+        out["comm_busbw_gbps"] = sum(r.comm_bus_bytes for r in rows) / n / comm_s / 1e9
+        # At most 1 per rank: an estimate (AccelDDP's, from an earlier sampled round) can exceed a short window.
+        out["comm_time_frac"] = sum(min(1.0, r.comm_s / r.window_s) for r in rows if r.window_s > 0) / n
+    return out
+
+
+def _exposed_metrics(rows: list[RankWindow]) -> dict[str, float]:
+    """The window's share of communication nothing overlapped, and the compute fraction it leaves."""
+    n = len(rows)
+    out = {"comm_exposed_frac": sum(min(1.0, r.comm_exposed_s / r.window_s) for r in rows if r.window_s > 0) / n}
+    # The source document's T_compute / (T_compute + T_comm), with T_compute = W - data wait - exposed comm.
+    unblocked = sum(max(0.0, r.window_s - r.data_wait_s) for r in rows)
+    if unblocked > 0:
+        out["compute_frac"] = max(0.0, 1.0 - sum(r.comm_exposed_s for r in rows) / unblocked)
+    return out
 
 
 def pipeline_metrics(rows: list[RankWindow], per_rank_up_to: int = 64) -> dict[str, float]:

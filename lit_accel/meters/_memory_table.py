@@ -41,6 +41,22 @@ def _by_dtype(row: RankMemory, name: str) -> str:
     return ", ".join(f"{slot} {format_bytes(n)}" for slot, n in value.nonzero().items())
 
 
+def _add_category(table: Table, rows: list[RankMemory], summary: dict[str, float], label: str, name: str,
+                  unsharded: str | None, key: str) -> None:  # fmt: skip
+    """One category's row: the largest rank's bytes, its dtype split, the unsharded size and the spread."""
+    if not summary.get(f"{key}_mb") and (name == "param_casts" or f"{key}_mb" not in summary):
+        return  # not measured, or no autocast
+    largest = max(rows, key=lambda r: _bytes_of(r, name))
+    spread = summary.get(f"{key}_spread")
+    table.add_row(
+        label,
+        format_bytes(_bytes_of(largest, name)),
+        _by_dtype(largest, name),
+        format_bytes(getattr(largest, unsharded)) if unsharded else "",
+        f"{spread:.3f}" if spread is not None else "",
+    )
+
+
 def memory_table(rows: list[RankMemory], summary: dict[str, float], title: str) -> Table:
     """Per category the largest rank's bytes, its dtype split, the unsharded size and the spread; then the levers."""
     from rich.table import Table
@@ -48,18 +64,8 @@ def memory_table(rows: list[RankMemory], summary: dict[str, float], title: str) 
     table = Table(title=title, caption="activation checkpointing's saving needs two runs: benchmarks/memory.py")
     for column in ("memory", "per rank (max)", "by dtype", "unsharded", "spread"):
         table.add_column(column, justify="left" if column in ("memory", "by dtype") else "right")
-    for label, name, unsharded, key in _CATEGORIES:
-        if not summary.get(f"{key}_mb") and (name == "param_casts" or f"{key}_mb" not in summary):
-            continue  # not measured, or no autocast
-        largest = max(rows, key=lambda r: _bytes_of(r, name))
-        spread = summary.get(f"{key}_spread")
-        table.add_row(
-            label,
-            format_bytes(_bytes_of(largest, name)),
-            _by_dtype(largest, name),
-            format_bytes(getattr(largest, unsharded)) if unsharded else "",
-            f"{spread:.3f}" if spread is not None else "",
-        )
+    for category in _CATEGORIES:
+        _add_category(table, rows, summary, *category)
     for label, key in (("allocator retries (CUDA)", "alloc_retries"), ("OOMs (CUDA)", "ooms")):
         if key in summary:
             table.add_row(label, format_count(summary[key]), "", "", "")

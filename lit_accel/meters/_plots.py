@@ -73,6 +73,15 @@ def _from_zero(axes: Axes) -> None:
     axes.set_ylim(bottom=0.0)
 
 
+def _step_parts(windows: Rows, step_s: list[float]) -> dict[str, list[float]]:
+    """Each window's step seconds split into data wait, exposed communication (where measured) and compute."""
+    parts = {"data wait": [s * float(w.get("data_wait_frac", 0.0)) for s, w in zip(step_s, windows)]}
+    if any(w.get("comm_exposed_frac") is not None for w in windows):
+        parts["exposed comm"] = [s * float(w.get("comm_exposed_frac", 0.0)) for s, w in zip(step_s, windows)]
+    parts["compute"] = [max(0.0, s - sum(p[i] for p in parts.values())) for i, s in enumerate(step_s)]
+    return parts
+
+
 def efficiency_figure(windows: Rows, title: str) -> Figure:
     """Throughput, and each window's step time split into compute, exposed communication and data wait.
 
@@ -89,10 +98,7 @@ def efficiency_figure(windows: Rows, title: str) -> Figure:
     steps = [float(w["step"]) for w in kept]
     step_s = [float(w["step_time_ms"]) / 1e3 for w in kept]
     scale, unit = scale_for_axis(max(step_s, default=0.0), "s")
-    parts = {"data wait": [s * float(w.get("data_wait_frac", 0.0)) for s, w in zip(step_s, kept)]}
-    if any(w.get("comm_exposed_frac") is not None for w in kept):
-        parts["exposed comm"] = [s * float(w.get("comm_exposed_frac", 0.0)) for s, w in zip(step_s, kept)]
-    parts["compute"] = [max(0.0, s - sum(p[i] for p in parts.values())) for i, s in enumerate(step_s)]
+    parts = _step_parts(kept, step_s)
     order = [name for name in _BREAKDOWN if name in parts]  # compute at the bottom, data wait on top
     breakdown.stackplot(
         steps,

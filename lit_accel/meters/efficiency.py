@@ -23,11 +23,11 @@ from lit_accel.meters._efficiency_metrics import (
     EfficiencyConfig,
     RankWindow,
     checked_peak_flops,
-    comm_totals,
+    read_comm,
     window_metrics,
 )
 from lit_accel.meters._stragglers import StragglerWatch, gather_hostnames
-from lit_accel.protocols import CommTiming, ExposedComm, PipelineBubbleStats
+from lit_accel.protocols import CommTiming, ExposedComm
 from lit_accel.utilities._compat import dynamo_compile_counts
 from lit_accel.utilities._timing import IntervalTimer, synchronize
 from lit_accel.utilities._torch_fallbacks import all_gather_single
@@ -273,13 +273,9 @@ class EfficiencyMeter:
         p = self._progress
         p.window_start, p.paused_in_window, p.window = now, 0.0, RankWindow()
         p.recompiles_at_warm = dynamo_compile_counts()[1]
-        if self.comm_stats is not None:
-            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = comm_totals(self.comm_stats, self.world_size)
-            self.comm_stats.pop_elapsed_s()  # drop the warm-up collectives
-            if isinstance(self.comm_stats, ExposedComm):
-                self.comm_stats.pop_exposed_s()
-            if isinstance(self.comm_stats, PipelineBubbleStats):
-                self.comm_stats.pop_pipeline_bubble()
+        if self.comm_stats is not None:  # the warm-up's collectives read into a window nobody keeps
+            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = read_comm(RankWindow(), self.comm_stats,
+                                                                         self.world_size, (0.0, 0.0))  # fmt: skip
 
     # ------------------------------------------------------------------ logging steps
 
@@ -301,10 +297,7 @@ class EfficiencyMeter:
         w = p.window
         w.window_s = end - p.window_start - paused
         dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
-        for key, tensors in p.device_counts.items():
-            if tensors:  # the one device read of user-returned counts, at a logging step
-                setattr(w, key, getattr(w, key) + float(torch.stack([t.to(dtype) for t in tensors]).sum().item()))
-                tensors.clear()
+        _add_device_counts(w, p.device_counts, dtype)
         w.forward_s, w.backward_s = self._forward.pop_total_s(), self._backward.pop_total_s()
         w.busy_s = w.data_wait_s + w.forward_s
         compiles, recompiles = dynamo_compile_counts()
@@ -313,30 +306,28 @@ class EfficiencyMeter:
         if self.config.cuda:
             w.peak_memory_bytes = float(torch.cuda.max_memory_allocated(self.device))
         w.flops = (self.config.flops_per_sample or 0.0) * w.samples
-        if self.comm_stats is not None:
-            total, bus = comm_totals(self.comm_stats, self.world_size)
-            w.comm_bytes, w.comm_bus_bytes = total - p.comm_bytes_at_start, bus - p.comm_bus_bytes_at_start
-            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = total, bus
-            w.comm_s = float(self.comm_stats.pop_elapsed_s())
-            if isinstance(self.comm_stats, ExposedComm):
-                w.comm_exposed_s = float(self.comm_stats.pop_exposed_s())
-            if isinstance(self.comm_stats, PipelineBubbleStats) and (bubble := self.comm_stats.pop_pipeline_bubble()):
-                w.pipeline_busy_s, w.pipeline_wall_s, w.pipeline_idle_s = bubble
+        if self.comm_stats is not None:  # the counters run for the whole fit: this window's share
+            at_start = (p.comm_bytes_at_start, p.comm_bus_bytes_at_start)
+            p.comm_bytes_at_start, p.comm_bus_bytes_at_start = read_comm(w, self.comm_stats, self.world_size, at_start)
         rows = self._gather(w, dtype)
         window_s = max(r.window_s for r in rows)
         metrics = self._metrics(rows, window_s)
         label = p.steps_seen if step is None else step
         self._after_window(rows, label, metrics)
-        if self._totals is None:
-            self._totals = [RankWindow() for _ in rows]
-        for total, row in zip(self._totals, rows):
-            total.accumulate(row)
-        self._total_window_s += window_s
+        self._add_to_totals(rows, window_s)
         self.windows.append({"step": label, **metrics})
         # Windows tile the run (the next starts where this one ended), but this logging work is not data wait.
         p.window_start, p.paused_in_window, p.window = now, 0.0, RankWindow()
         p.last_end = self._clock()
         return metrics
+
+    def _add_to_totals(self, rows: list[RankWindow], window_s: float) -> None:
+        """Add one window's rows (one per rank) to the run's totals, which :meth:`summary` averages."""
+        if self._totals is None:
+            self._totals = [RankWindow() for _ in rows]
+        for total, row in zip(self._totals, rows):
+            total.accumulate(row)
+        self._total_window_s += window_s
 
     def summary(self) -> dict[str, float]:
         """Averages over every computed window (plus ``measured_steps``); empty when nothing was measured."""
@@ -398,3 +389,11 @@ class EfficiencyMeter:
             "ranks": ranks,
             "stragglers": self.stragglers.records,
         }
+
+
+def _add_device_counts(window: RankWindow, counts: dict[str, list[torch.Tensor]], dtype: torch.dtype) -> None:
+    """Add the counts a step returned as device tensors to ``window``, in one device read per key, and clear them."""
+    for key, tensors in counts.items():
+        if tensors:  # the one device read of user-returned counts, at a logging step
+            setattr(window, key, getattr(window, key) + float(torch.stack([t.to(dtype) for t in tensors]).sum().item()))
+            tensors.clear()

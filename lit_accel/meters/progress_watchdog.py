@@ -96,27 +96,54 @@ def _where(frame: FrameType, api: bool = False) -> str:
 def locate(thread_id: int, with_stack: bool = False) -> dict[str, Any]:
     """Where a thread is, from its frames: the :class:`RankState` fields ``kind``, ``call``, ``site``, ``user``."""
     frames = [f for f, _ in traceback.walk_stack(frame)] if (frame := sys._current_frames().get(thread_id)) else []
-    if not frames or any(f.f_trace is not None or f.f_code.co_filename.endswith(("bdb.py", "pdb.py")) for f in frames):
+    if not frames or _traced(frames):
         return {"kind": "debugger" if frames else "gone"}  # someone sits in pdb, or a tracer steps through
     files = [_file(f) for f in frames]
     ours = [not name.startswith(_LIBRARY) for name in files] + [True]
     block = files[: ours.index(True)]  # the innermost library frames: what runs on behalf of the user's code
-    plain = [not (n.startswith(("<", _TORCH)) or (n.startswith(_STDLIB) and not n.startswith(_SITE))) for n in files]
     out = {
-        "site": _where(frames[plain.index(True)]) if True in plain else None,
+        "site": _site(frames, files),
         "user": _where(frames[ours.index(True)]) if ours.index(True) < len(frames) else None,
-        # traceback's layout, most recent call last; source lines are never read (linecache on a hung filesystem)
-        "stack": "\n".join(f'  File "{f.f_code.co_filename}", line {f.f_lineno}, in {_where(f).split(" in ")[-1]}'
-                           for f in frames[:60][::-1]) if with_stack else None,
-    }  # fmt: skip
+        "stack": _stack(frames) if with_stack else None,
+    }
+    return {**out, **_activity(frames, files, block)}
+
+
+def _site(frames: list[FrameType], files: list[str]) -> str | None:
+    """The innermost frame in neither torch nor the standard library (installed packages count), or None."""
+    plain = [not (n.startswith(("<", _TORCH)) or (n.startswith(_STDLIB) and not n.startswith(_SITE))) for n in files]
+    return _where(frames[plain.index(True)]) if True in plain else None
+
+
+def _traced(frames: list[FrameType]) -> bool:
+    """Whether a debugger or a tracer is stepping through these frames (then nothing here is a hang)."""
+    return any(f.f_trace is not None or f.f_code.co_filename.endswith(("bdb.py", "pdb.py")) for f in frames)
+
+
+def _stack(frames: list[FrameType]) -> str:
+    """The innermost 60 frames in traceback's layout, most recent call last.
+
+    Source lines are never read: linecache could block on a hung filesystem.
+    """
+    return "\n".join(
+        f'  File "{f.f_code.co_filename}", line {f.f_lineno}, in {_where(f).split(" in ")[-1]}'
+        for f in frames[:60][::-1]
+    )
+
+
+def _activity(frames: list[FrameType], files: list[str], block: list[str]) -> dict[str, str]:
+    """The ``kind`` and ``call`` of a thread's frames: a collective, a DataLoader, or running (where in torch).
+
+    ``files``: each frame's file; ``block``: the innermost library frames' files.
+    """
     if (hit := next((f for f, n in zip(frames, block) if n.startswith(_COLLECTIVE)), None)) is not None:
-        return {**out, "kind": "collective", "call": _where(hit, api=True)}
+        return {"kind": "collective", "call": _where(hit, api=True)}
     if any(n.startswith(_AUTOGRAD) and f.f_code.co_name == "_engine_run_backward" for f, n in zip(frames, block)):
-        return {**out, "kind": "collective", "call": "autograd's backward (where DDP waits for its peers' gradients)"}
+        return {"kind": "collective", "call": "autograd's backward (where DDP waits for its peers' gradients)"}
     if (hit := next((f for f, n in zip(frames, files) if n.startswith(_DATA)), None)) is not None:
-        return {**out, "kind": "data", "call": _where(hit, api=True)}  # in a DataLoader, or in its dataset
+        return {"kind": "data", "call": _where(hit, api=True)}  # in a DataLoader, or in its dataset
     hit = next((f for f, n in zip(frames, block) if n.startswith(_TORCH)), frames[0])
-    return {**out, "kind": "running", "call": _where(hit, api=True)}
+    return {"kind": "running", "call": _where(hit, api=True)}
 
 
 class ProgressWatchdog:
@@ -235,13 +262,21 @@ class ProgressWatchdog:
         overdue = state.overdue and state.kind != "debugger"
         if overdue and not self._overdue:
             self._store.add("overdue", 1)  # tells rank 0 to look at every rank
-        self._overdue, posted = overdue, int(self._store.add("verdicts", 0))
+        self._overdue = overdue
+        self._take_verdict()
+        if self.rank == 0:  # rank 0 judges (O(1) store traffic per rank), from the first flag until no rank is overdue
+            self._judge_ranks(state, overdue)
+
+    def _take_verdict(self) -> None:
+        """Handle a verdict rank 0 posted since the last tick, if any."""
+        posted = int(self._store.add("verdicts", 0))
         if posted > self._handled:
             self._handled, raw = posted, json.loads(self._store.get(f"verdict/{posted}"))
             states = tuple(RankState(**s) for s in raw.pop("states"))
             self._handle(HangReport(**{**raw, "culprits": tuple(raw["culprits"]), "states": states}))
-        if self.rank != 0:
-            return  # rank 0 judges (O(1) store traffic per rank), from the first flag until no rank is overdue
+
+    def _judge_ranks(self, state: RankState, overdue: bool) -> None:
+        """Rank 0: while any rank is overdue, judge every rank's state and post a new stall's verdict once."""
         flags = int(self._store.add("overdue", 0))
         self._looking, self._flags = self._looking or overdue or flags != self._flags, flags
         if not self._looking:
