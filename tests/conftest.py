@@ -6,6 +6,13 @@ import torch
 # Keep the CI machine's two cores for the two ranks of distributed tests.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Ranks are forked (tests/helpers/distributed.py). Autograd decides once, at a process's first backward, whether it
+# needs device threads, and a forked child of a process that started them cannot run backward ("autograd's threading
+# in combination with fork"). After an in-process torch.compile that first backward starts them even without a GPU,
+# so a compiling test followed by a fit and then forked ranks failed, depending on the order tests ran in. One
+# backward now, before any test compiles, settles it: no device, no threads.
+torch.ones(1, requires_grad=True).sum().backward()
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

@@ -130,36 +130,10 @@ class Float8Conversion:
         module_filter: ModuleFilter | None = None,
         emulate: bool | None = None,
     ) -> None:
-        try:
-            from torchao.float8 import Float8LinearConfig
-        except ModuleNotFoundError as err:
-            raise ModuleNotFoundError(
-                "Float8Conversion needs torchao, which is not installed. Fix: pip install 'torchao>=0.10'."
-            ) from err
-        if config is not None and not isinstance(config, Float8LinearConfig):
-            raise TypeError(
-                f"Float8Conversion(config={config!r}): expected a torchao.float8.Float8LinearConfig or None."
-                " Fix: pass e.g. config=Float8LinearConfig.from_recipe_name('rowwise')."
-            )
-        names = None if module_filter is None or callable(module_filter) else module_filter
-        if isinstance(names, Iterable) and not isinstance(names, str):
-            names = tuple(names)
-        if names is not None and not (isinstance(names, tuple) and all(isinstance(n, str) for n in names)):
-            raise TypeError(
-                f"Float8Conversion(module_filter={module_filter!r}): expected a callable (module, fqn) -> bool or a"
-                " list of module names, and every name must be a str. Fix: pass e.g. module_filter=['head']."
-            )
-        if emulate is not None and not isinstance(emulate, bool):
-            raise TypeError(f"Float8Conversion(emulate={emulate!r}): expected None, True or False. Fix: pass None.")
-        self.config = config if config is not None else Float8LinearConfig()
-        if self.config.emulate and emulate is False:
-            raise ValueError(
-                "Float8Conversion(emulate=False): the config has emulate=True. Fix: pass emulate=None or a config"
-                " with emulate=False."
-            )
+        self.config = _checked_config(config, emulate)
         self.emulate = True if self.config.emulate else emulate
         self.module_filter = module_filter
-        self._names: tuple[str, ...] | None = names
+        self._names = _filter_names(module_filter)
         #: What the last :meth:`apply` did (None before).
         self.report: Float8Report | None = None
         self._padding = RowPadding()
@@ -238,18 +212,22 @@ class Float8Conversion:
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         excluded = self._excluded_by_names(names_of, [name for name, _ in linears])
         inside_mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
-        skipped: dict[str, str] = {}
-        for name, module in linears:
-            reason = _structural_reason(module, Float8Linear, id(module) in inside_mha)
-            if reason is None and (
-                id(module) in excluded or (callable(self.module_filter) and not self.module_filter(module, name))
-            ):
-                reason = "excluded by module_filter"
-            if reason is not None:
-                skipped[name] = reason
+        reasons = {name: self._skip_reason(name, m, Float8Linear, inside_mha, excluded) for name, m in linears}
+        skipped = {name: reason for name, reason in reasons.items() if reason is not None}
         converted = [(name, module) for name, module in linears if name not in skipped]
         report = Float8Report(tuple(name for name, _ in converted), skipped, emulated, device_type)
         return {id(module) for _, module in converted}, report
+
+    def _skip_reason(
+        self, name: str, module: nn.Linear, float8_cls: type, inside_mha: set[int], excluded: set[int]
+    ) -> str | None:  # fmt: skip
+        """Why the layer stays in high precision (its structure, or ``module_filter``), or None if it converts."""
+        reason = _structural_reason(module, float8_cls, id(module) in inside_mha)
+        if reason is None and (
+            id(module) in excluded or (callable(self.module_filter) and not self.module_filter(module, name))
+        ):
+            reason = "excluded by module_filter"
+        return reason
 
     def _excluded_by_names(self, names_of: dict[int, list[str]], linear_names: list[str]) -> set[int]:
         if self._names is None:
@@ -257,19 +235,61 @@ class Float8Conversion:
         all_names = [name for names in names_of.values() for name in names]
         for pattern in self._names:
             if not any(fnmatch.fnmatchcase(name, pattern) for name in all_names):
-                close = difflib.get_close_matches(pattern, linear_names, n=3, cutoff=0.5) or linear_names[:3]
-                raise ValueError(
-                    f"Float8Conversion(module_filter={list(self._names)!r}): {pattern!r} matches no module of the"
-                    f" model (closest Linear layers: {close}; {len(linear_names)} in all). Fix: use names from"
-                    " model.named_modules(), or fnmatch patterns such as '*.head'."
-                )
-        excluded = set()
-        for key, names in names_of.items():
-            # A name is excluded with its own path or any enclosing module's ("blocks.1" excludes "blocks.1.fc").
-            prefixes = {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)}
-            if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes for pattern in self._names):
-                excluded.add(key)
-        return excluded
+                raise ValueError(_unmatched_pattern(self._names, pattern, linear_names))
+        # A name is excluded with its own path or any enclosing module's ("blocks.1" excludes "blocks.1.fc").
+        return {key for key, names in names_of.items() if _matches_enclosing(names, self._names)}
+
+
+def _checked_config(config: Float8LinearConfig | None, emulate: bool | None) -> Float8LinearConfig:
+    """The config to convert with (torchao's default for None), its type and ``emulate`` checked against it."""
+    try:
+        from torchao.float8 import Float8LinearConfig
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            "Float8Conversion needs torchao, which is not installed. Fix: pip install 'torchao>=0.10'."
+        ) from err
+    if config is not None and not isinstance(config, Float8LinearConfig):
+        raise TypeError(
+            f"Float8Conversion(config={config!r}): expected a torchao.float8.Float8LinearConfig or None."
+            " Fix: pass e.g. config=Float8LinearConfig.from_recipe_name('rowwise')."
+        )
+    if emulate is not None and not isinstance(emulate, bool):
+        raise TypeError(f"Float8Conversion(emulate={emulate!r}): expected None, True or False. Fix: pass None.")
+    config = config if config is not None else Float8LinearConfig()
+    if config.emulate and emulate is False:
+        raise ValueError(
+            "Float8Conversion(emulate=False): the config has emulate=True. Fix: pass emulate=None or a config"
+            " with emulate=False."
+        )
+    return config
+
+
+def _filter_names(module_filter: ModuleFilter | None) -> tuple[str, ...] | None:
+    """The module names a ``module_filter`` list leaves out (None for a callable or no filter), type-checked."""
+    if module_filter is None or callable(module_filter):
+        return None
+    names = tuple(module_filter) if isinstance(module_filter, Iterable) and not isinstance(module_filter, str) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"Float8Conversion(module_filter={module_filter!r}): expected a callable (module, fqn) -> bool or a"
+            " list of module names, and every name must be a str. Fix: pass e.g. module_filter=['head']."
+        )
+    return names
+
+
+def _unmatched_pattern(patterns: tuple[str, ...], pattern: str, linear_names: list[str]) -> str:
+    close = difflib.get_close_matches(pattern, linear_names, n=3, cutoff=0.5) or linear_names[:3]
+    return (
+        f"Float8Conversion(module_filter={list(patterns)!r}): {pattern!r} matches no module of the"
+        f" model (closest Linear layers: {close}; {len(linear_names)} in all). Fix: use names from"
+        " model.named_modules(), or fnmatch patterns such as '*.head'."
+    )
+
+
+def _matches_enclosing(names: list[str], patterns: tuple[str, ...]) -> bool:
+    """Whether a pattern matches one of a module's names or the name of a module enclosing it."""
+    prefixes = {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)}
+    return any(fnmatch.fnmatchcase(p, pattern) for p in prefixes for pattern in patterns)
 
 
 def _structural_reason(module: nn.Linear, float8_cls: type, inside_mha: bool) -> str | None:

@@ -182,6 +182,24 @@ def _group_is_empty(total_count: Tensor, input: Tensor) -> bool:
     return global_count == 0
 
 
+def _update_running_stats(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    stats: _Stats,
+    total_count: Tensor,
+    momentum: float | Tensor,
+) -> None:
+    """Move the running statistics towards the group's, as plain BatchNorm on the joint batch would."""
+    if running_mean is None or running_var is None:
+        return
+    # Unbiased running variance over the *global* count. `momentum` is a 0-d tensor for momentum=None
+    # (1/num_batches_tracked): no host sync.
+    unbiased_var = torch.addcdiv(stats.var, stats.var, total_count - 1)  # var·N/(N−1) = var + var/(N−1)
+    w = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
+    running_mean.lerp_(_cast(stats.mean, running_mean.dtype), w)
+    running_var.lerp_(_cast(unbiased_var, running_var.dtype), w)
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode BatchNorm over a process group; saves the input, weight and the group's statistics."""
 
@@ -213,13 +231,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             ctx.save_for_backward(input)
             return torch.empty_like(input)
         stats = _global_stats(combined, total_count, compute_dtype, eps)
-        if running_mean is not None and running_var is not None:
-            # Unbiased running variance over the *global* count, as plain BatchNorm on the joint batch would keep.
-            # `momentum` is a 0-d tensor for momentum=None (1/num_batches_tracked): no host sync.
-            unbiased_var = torch.addcdiv(stats.var, stats.var, total_count - 1)  # var·N/(N−1) = var + var/(N−1)
-            w = momentum.to(running_mean.dtype) if isinstance(momentum, Tensor) else momentum
-            running_mean.lerp_(_cast(stats.mean, running_mean.dtype), w)
-            running_var.lerp_(_cast(unbiased_var, running_var.dtype), w)
+        _update_running_stats(running_mean, running_var, stats, total_count, momentum)
         ctx.save_for_backward(input, weight, *stats[:4])
         ctx.eps, ctx.process_group, ctx.local_count = eps, process_group, local_count
         ctx.bias_dtype = bias.dtype if bias is not None else None
