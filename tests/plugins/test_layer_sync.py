@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -309,3 +310,77 @@ def _cases(draw: st.DrawFn) -> tuple[int, list[int], int, tuple[int, ...]]:
 def test_property_sync_batchnorm_equals_batchnorm_on_each_groups_joint_batch(case):
     world_size, sizes, group_size, shape = case
     run_distributed(_property_case, world_size, sizes, group_size, shape, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A BatchNorm class with its own forward (timm's BatchNormAct2d: normalisation, then its drop and activation) is never
+# replaced: a SyncBatchNorm in its place would drop the activation and train another model.
+
+
+def _timm_lcnet() -> nn.Module:
+    """timm's LCNet as timm builds it: every norm layer is a BatchNormAct2d."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return timm.create_model("lcnet_050", num_classes=4)
+
+
+def test_a_batchnorm_with_its_own_forward_keeps_its_statistics_and_the_model_is_unchanged():
+    import copy
+
+    from timm.layers import BatchNormAct2d
+
+    model = nn.Sequential(nn.BatchNorm2d(3), _timm_lcnet())  # a stock BatchNorm in front: converted
+    reference = copy.deepcopy(model)
+    acts = {name: m for name, m in model.named_modules() if isinstance(m, BatchNormAct2d)}
+    plugin = AccelSyncBatchNorm()
+    with pytest.warns(UserWarning, match=r"\d+ BatchNorm layer\(s\) of class BatchNormAct2d .* Fix: .*timm\.layers"):
+        model = plugin.apply(model)
+    assert plugin.num_converted == 1 and isinstance(model[0], SyncBatchNorm)
+    assert plugin.kept_local == list(acts) and len(acts) > 10
+    assert all(model.get_submodule(name) is layer for name, layer in acts.items())
+    x = torch.randn(4, 3, 32, 32)
+    # training mode (batch statistics) and eval mode: the converted model is the user's model (one process: the
+    # synchronised layer is BatchNorm); before, every activation of the network was gone
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert type(plugin.revert(model)[0]) is nn.BatchNorm2d
+
+
+class _TimmClassifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _timm_lcnet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_timm(rank: int, world_size: int, strategy_name: str) -> dict[str, torch.Tensor]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lit_accel import AccelDDP
+
+    pl.seed_everything(0)
+    model = _TimmClassifier()
+    strategy = AccelDDP() if strategy_name == "accel_ddp" else DDPStrategy()  # AccelDDP: SyncBatchNorm by default
+    trainer = pl.Trainer(**small_trainer_kwargs(devices=world_size, strategy=strategy, max_steps=3,
+                                                use_distributed_sampler=False))  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 3, 32, 32, generator=generator),
+                                          torch.randint(0, 4, (48,), generator=generator))  # fmt: skip
+    trainer.fit(model, make_loader(data, 4, rank, world_size))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_accel_ddp_trains_a_timm_model_with_batchnorm_act_layers_as_lightnings_ddp_does():
+    """AccelDDP's default SyncBatchNorm leaves timm's BatchNormAct2d per-rank, as Lightning's DDPStrategy trains it."""
+    ours = run_distributed(_fit_timm, 2, "accel_ddp", init_process_group=False, timeout=180)
+    lightning = run_distributed(_fit_timm, 2, "ddp", init_process_group=False, timeout=180)
+    assert set(ours[0]) == set(lightning[0])
+    for key, value in lightning[0].items():
+        torch.testing.assert_close(ours[0][key], value, rtol=1e-5, atol=1e-5, msg=key)
