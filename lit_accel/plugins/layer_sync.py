@@ -17,9 +17,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lit_accel.plugins._module_swap import swap_modules
+from lit_accel.plugins._routed_batchnorm import RoutedForward, is_routed
 from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
 from lit_accel.utilities._validation import check_choice, check_int
-from lit_accel.utilities._warnings import rank_zero_warn
 
 __all__ = ["AccelSyncBatchNorm", "count_batchnorm_layers"]
 
@@ -40,8 +40,8 @@ def count_batchnorm_layers(model: Module) -> int:
 
 
 def is_synced_batchnorm(module: Module) -> bool:
-    """Whether ``module`` is a BatchNorm that all-reduces its statistics (torch's ``SyncBatchNorm`` or ours)."""
-    return isinstance(module, (SyncBatchNorm, torch.nn.SyncBatchNorm))
+    """Whether ``module`` is a BatchNorm that all-reduces its statistics (torch's ``SyncBatchNorm``, ours, routed)."""
+    return isinstance(module, (SyncBatchNorm, torch.nn.SyncBatchNorm)) or is_routed(module)
 
 
 class AccelSyncBatchNorm(LayerSync):
@@ -69,11 +69,11 @@ class AccelSyncBatchNorm(LayerSync):
         check_choice("AccelSyncBatchNorm", "implementation", implementation, get_args(_Implementation), "'auto'")
         self.group_size = group_size
         self.implementation: _Implementation = implementation
-        #: Number of layers the last :meth:`apply` converted.
+        #: Number of layers the last :meth:`apply` synchronised (replaced, or ``routed``).
         self.num_converted = 0
-        #: Qualified names of the BatchNorm layers the last :meth:`apply` left with per-rank statistics: their class
-        #: has its own forward (timm's ``BatchNormAct2d``), which a synchronised layer in their place would drop.
-        self.kept_local: list[str] = []
+        #: Qualified names of the layers the last :meth:`apply` synchronised in place: their class has its own forward
+        #: (timm's ``BatchNormAct2d``), which runs as written with its ``F.batch_norm`` calls synchronised.
+        self.routed: list[str] = []
         #: The implementation the last :meth:`apply` used: ``"portable"`` or ``"torch"`` (None before).
         self.resolved_implementation: Literal["portable", "torch"] | None = None
         #: The process group of this rank's layers (None: the whole world).
@@ -84,10 +84,10 @@ class AccelSyncBatchNorm(LayerSync):
         """Convert every BatchNorm layer of ``model`` in place to a synchronised one sharing its parameters and buffers.
 
         Call it on every rank, after the default process group exists (it creates the sub-groups). Layers already
-        synchronised are left alone, and so is a class with its own forward (``kept_local``, one warning); a BatchNorm
-        root is replaced (returned). ``groups``: every group of ranks that
-        synchronise together, each rank in one (a strategy's data dimension, e.g. AccelParallel's: the ranks with
-        one pipeline and tensor coordinate); ``None``: consecutive ranks in groups of ``group_size``.
+        synchronised are left alone; a class with its own forward keeps it (``routed``); a BatchNorm root is replaced
+        (returned). ``groups``: every group of ranks that synchronise together, each rank in one (a strategy's data
+        dimension, e.g. AccelParallel's: the ranks with one pipeline and tensor coordinate); ``None``: consecutive
+        ranks in groups of ``group_size``.
 
         Raises:
             ValueError: ``group_size`` does not divide the world size, or ``implementation="torch"`` while the layers
@@ -95,17 +95,22 @@ class AccelSyncBatchNorm(LayerSync):
         """
         self.process_group = self._create_group() if groups is None else _group_of(groups)
         todo = [m for m in model.modules() if isinstance(m, _BatchNorm) and not is_synced_batchnorm(m)]
-        self.kept_local = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm) and _own_forward(m)]
-        if self.kept_local:
-            rank_zero_warn(_kept_local_message(model, self.kept_local))
-            todo = [m for m in todo if not _own_forward(m)]
-        self.num_converted = len(todo)  # modules() lists a shared layer once, and it is converted once
+        unsynced = {id(m) for m in todo}
+        own = [(name, m) for name, m in model.named_modules() if id(m) in unsynced and _own_forward(m)]
+        for name, layer in own:
+            RoutedForward(layer, name, self.process_group)
+        self.routed = [name for name, _ in own]
+        todo = [m for m in todo if not is_routed(m)]
+        self.num_converted = len(todo) + len(own)  # modules() lists a shared layer once, and it is converted once
         self.resolved_implementation = self._resolve_implementation(todo[0]) if todo else None
         return swap_modules(model, self._to_sync) if todo else model
 
     @override
     def revert(self, model: Module) -> Module:
         """Put back the user's modules :meth:`apply` replaced, with the current parameters and running statistics."""
+        for layer in model.modules():
+            if is_routed(layer):
+                layer.forward.remove()
         return swap_modules(model, _original_with_current_tensors)
 
     def _create_group(self) -> Any | None:
@@ -166,21 +171,10 @@ class AccelSyncBatchNorm(LayerSync):
 def _own_forward(layer: Module) -> bool:
     """Whether a BatchNorm's class computes more than BatchNorm (timm's ``BatchNormAct2d``: its activation and drop).
 
-    A synchronised layer in its place would run only the normalisation and so train another model; such a layer keeps
-    its own statistics instead (a synchronised layer or torch's ``SyncBatchNorm`` is never one of them).
+    A synchronised layer in its place would run only the normalisation and so train another model: such a layer keeps
+    its forward, routed (``_routed_batchnorm.py``).
     """
     return not is_synced_batchnorm(layer) and type(layer).forward is not _BatchNorm.forward
-
-
-def _kept_local_message(model: Module, names: list[str]) -> str:
-    kinds = sorted({type(model.get_submodule(name)).__name__ for name in names})
-    shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (
-        f"AccelSyncBatchNorm: {len(names)} BatchNorm layer(s) of class {', '.join(kinds)} ({shown}) define their own"
-        " forward, which a SyncBatchNorm in their place would drop, so they keep per-rank statistics. Fix: synchronise"
-        " them with their library's converter in configure_model (timm: timm.layers.convert_sync_batchnorm, on CUDA),"
-        " or pass sync_batchnorm=False to keep every BatchNorm per-rank without this warning."
-    )
 
 
 def _group_of(groups: Sequence[Sequence[int]]) -> Any | None:

@@ -15,7 +15,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "batch_norm_over_group"]
 
 
 def _all_reduce_sum(tensor: Tensor, group: Any) -> None:
@@ -266,6 +266,24 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return (grad_input, grad_weight, grad_bias, *no_grads)
 
 
+def batch_norm_over_group(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    eps: float,
+    momentum: float | Tensor,
+    process_group: Any | None,
+) -> Tensor:
+    """Training-mode ``F.batch_norm`` with the statistics of ``process_group``'s joint batch (one all-reduce each way).
+
+    The running statistics move by ``momentum`` towards the joint batch's (unbiased variance over the global count);
+    ``momentum`` may be a 0-d tensor (a cumulative average without a host sync).
+    """
+    return _SyncBatchNormFunction.apply(input, weight, bias, running_mean, running_var, eps, momentum, process_group)
+
+
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics are those of the whole process group's batch, on any backend.
 
@@ -337,7 +355,7 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:
                 # Cumulative moving average as a device tensor, so no host sync (torch reads the count on the host).
                 momentum = 1.0 / self.num_batches_tracked
-        return _SyncBatchNormFunction.apply(
+        return batch_norm_over_group(
             input, self.weight, self.bias, running_mean, running_var, self.eps, momentum, self.process_group
         )
 
