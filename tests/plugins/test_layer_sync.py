@@ -17,6 +17,7 @@ from lit_accel.plugins._module_swap import swap_modules
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm, count_batchnorm_layers, is_synced_batchnorm
 from lit_accel.plugins.sync_batchnorm import SyncBatchNorm
 from tests.helpers import BNModel, make_dataset, make_loader, run_distributed, small_trainer_kwargs
+from tests.helpers.parallel import full
 from tests.helpers.torch_features import batchnorm
 from tests.plugins.test_sync_batchnorm import check_joint_batch_equivalence
 
@@ -424,21 +425,20 @@ def _timm_data() -> torch.utils.data.TensorDataset:
     )
 
 
-def _fit_timm(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    from lit_accel import AccelDDP
-
+def _fit_timm(rank: int, world_size: int, strategy: str) -> dict[str, torch.Tensor]:
     pl.seed_everything(0)
     model = _TimmClassifier()
-    trainer = pl.Trainer(**small_trainer_kwargs(devices=world_size, strategy=AccelDDP(), max_steps=3,
+    trainer = pl.Trainer(**small_trainer_kwargs(devices=world_size, strategy=strategy, max_steps=3,
                                                 precision="64-true", use_distributed_sampler=False))  # fmt: skip
     trainer.fit(model, make_loader(_timm_data(), 4, rank, world_size))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: full(v) for k, v in model.state_dict().items()}  # (the sharded strategies' are DTensors)
 
 
-def test_accel_ddp_trains_a_timm_cnn_with_batchnorm_act_layers_as_one_process_on_the_joint_batch():
-    """AccelDDP's default SyncBatchNorm on timm's LCNet (BatchNormAct2d throughout): two ranks of 4 equal one process
-    of 8 (before, the layers were replaced by SyncBatchNorm and the network lost its activations)."""
-    results = run_distributed(_fit_timm, 2, init_process_group=False, timeout=180)
+@pytest.mark.parametrize("strategy", ["accel_ddp", "accel_fsdp", "accel_parallel"])
+def test_a_timm_cnn_with_batchnorm_act_layers_trains_as_one_process_on_the_joint_batch(strategy):
+    """The strategies' default SyncBatchNorm on timm's LCNet (BatchNormAct2d throughout): two ranks of 4 equal one
+    process of 8 (before, the layers were replaced by SyncBatchNorm and the network lost its activations)."""
+    results = run_distributed(_fit_timm, 2, strategy, init_process_group=False, timeout=180)
     pl.seed_everything(0)
     reference = _TimmClassifier().double()
     optimizer = reference.configure_optimizers()
