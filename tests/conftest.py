@@ -10,7 +10,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # needs device threads, and a forked child of a process that started them cannot run backward ("autograd's threading
 # in combination with fork"). After an in-process torch.compile that first backward starts them even without a GPU,
 # so a compiling test followed by a fit and then forked ranks failed, depending on the order tests ran in. One
-# backward now, before any test compiles, settles it: no device, no threads.
+# backward now, before any test compiles, settles it on a machine without a GPU (the suite's: no device, no threads).
 torch.ones(1, requires_grad=True).sum().backward()
 
 

@@ -10,6 +10,7 @@ keeps per-rank statistics.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.distributed as dist
@@ -56,25 +57,34 @@ class _GroupStatistics(TorchFunctionMode):
 
 
 class RoutedForward:
-    """A layer's own ``forward`` (its class's), with its training-mode ``F.batch_norm`` calls synchronised.
+    """A layer's own ``forward``, with its training-mode ``F.batch_norm`` calls synchronised.
 
-    Set as the layer's instance ``forward`` (the class is untouched; :meth:`remove` deletes it again).
+    Set as the layer's instance ``forward`` (the class is untouched): it runs what ``forward`` was (an instance
+    ``forward`` the layer already had, e.g. a compiled one, or its class's), and :meth:`remove` puts that back. Each
+    call is a collective, so the layer must make as many of them on every rank (timm's layers make one per forward;
+    one whose count depends on the local batch would leave its peers waiting).
     """
 
     def __init__(self, layer: nn.Module, name: str, process_group: Any | None) -> None:
         self.layer, self.name = layer, name
         self._statistics = _GroupStatistics(process_group)
-        # a group of one rank has nothing to synchronise with (as SyncBatchNorm's forward decides, once here)
-        self._communicates = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+        self._previous = layer.__dict__.get("forward")  # an instance forward of the user's, kept and given back
         self._checked = False
         layer.forward = self  # type: ignore[method-assign]
 
+    def _communicates(self) -> bool:
+        # as SyncBatchNorm's forward: only training forwards in a group of several ranks (decided per call, so a
+        # model saved routed and loaded into one process trains as BatchNorm)
+        group = self._statistics.process_group
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer = self.layer
-        if not (layer.training and self._communicates):
-            return type(layer).forward(layer, *args, **kwargs)  # only training forwards communicate
+        run = self._previous or functools.partial(type(layer).forward, layer)
+        if not (layer.training and self._communicates()):
+            return run(*args, **kwargs)
         with self._statistics:
-            out = type(layer).forward(layer, *args, **kwargs)
+            out = run(*args, **kwargs)
         if not self._checked:
             self._checked = True
             if not self._statistics.calls:
@@ -86,9 +96,11 @@ class RoutedForward:
         return out
 
     def remove(self) -> None:
-        """Give the layer back its class's ``forward``."""
+        """Give the layer back the ``forward`` it had."""
         if self.layer.__dict__.get("forward") is self:
             del self.layer.forward
+            if self._previous is not None:
+                self.layer.forward = self._previous  # type: ignore[method-assign]
 
 
 def is_routed(layer: nn.Module) -> bool:

@@ -130,10 +130,12 @@ class Float8Conversion:
         module_filter: ModuleFilter | None = None,
         emulate: bool | None = None,
     ) -> None:
-        self.config = _checked_config(config, emulate)
-        self.emulate = True if self.config.emulate else emulate
-        self.module_filter = module_filter
+        config = _checked_config(config)
         self._names = _filter_names(module_filter)
+        _check_emulate(emulate, config)
+        self.config = config
+        self.emulate = True if config.emulate else emulate
+        self.module_filter = module_filter
         #: What the last :meth:`apply` did (None before).
         self.report: Float8Report | None = None
         self._padding = RowPadding()
@@ -240,8 +242,8 @@ class Float8Conversion:
         return {key for key, names in names_of.items() if _matches_enclosing(names, self._names)}
 
 
-def _checked_config(config: Float8LinearConfig | None, emulate: bool | None) -> Float8LinearConfig:
-    """The config to convert with (torchao's default for None), its type and ``emulate`` checked against it."""
+def _checked_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
+    """The config to convert with (torchao's default for None), its type checked."""
     try:
         from torchao.float8 import Float8LinearConfig
     except ModuleNotFoundError as err:
@@ -253,15 +255,17 @@ def _checked_config(config: Float8LinearConfig | None, emulate: bool | None) -> 
             f"Float8Conversion(config={config!r}): expected a torchao.float8.Float8LinearConfig or None."
             " Fix: pass e.g. config=Float8LinearConfig.from_recipe_name('rowwise')."
         )
+    return config if config is not None else Float8LinearConfig()
+
+
+def _check_emulate(emulate: bool | None, config: Float8LinearConfig) -> None:
     if emulate is not None and not isinstance(emulate, bool):
         raise TypeError(f"Float8Conversion(emulate={emulate!r}): expected None, True or False. Fix: pass None.")
-    config = config if config is not None else Float8LinearConfig()
     if config.emulate and emulate is False:
         raise ValueError(
             "Float8Conversion(emulate=False): the config has emulate=True. Fix: pass emulate=None or a config"
             " with emulate=False."
         )
-    return config
 
 
 def _filter_names(module_filter: ModuleFilter | None) -> tuple[str, ...] | None:

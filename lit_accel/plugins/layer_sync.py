@@ -72,7 +72,8 @@ class AccelSyncBatchNorm(LayerSync):
         #: Number of layers the last :meth:`apply` synchronised (replaced, or ``routed``).
         self.num_converted = 0
         #: Qualified names of the layers the last :meth:`apply` synchronised in place: their class has its own forward
-        #: (timm's ``BatchNormAct2d``), which runs as written with its ``F.batch_norm`` calls synchronised.
+        #: (timm's ``BatchNormAct2d``), which runs as written with its ``F.batch_norm`` calls synchronised (by the
+        #: portable implementation, whatever ``implementation`` says).
         self.routed: list[str] = []
         #: The implementation the last :meth:`apply` used: ``"portable"`` or ``"torch"`` (None before).
         self.resolved_implementation: Literal["portable", "torch"] | None = None
@@ -107,7 +108,7 @@ class AccelSyncBatchNorm(LayerSync):
 
     @override
     def revert(self, model: Module) -> Module:
-        """Put back the user's modules :meth:`apply` replaced, with the current parameters and running statistics."""
+        """Put back the modules :meth:`apply` replaced (current parameters and statistics) and the routed forwards."""
         for layer in model.modules():
             if is_routed(layer):
                 layer.forward.remove()

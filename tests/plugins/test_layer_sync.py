@@ -350,6 +350,24 @@ def test_a_batchnorm_with_its_own_forward_keeps_its_class_and_forward_and_the_mo
     assert not any(is_synced_batchnorm(m) or "forward" in vars(m) for m in model.modules())
 
 
+def test_a_routed_layer_runs_and_gets_back_the_instance_forward_it_had():
+    BatchNormAct2d = pytest.importorskip("timm.layers").BatchNormAct2d
+
+    layer, calls = BatchNormAct2d(4), []
+
+    def counted(x: torch.Tensor) -> torch.Tensor:  # a user's own instance forward (a wrapper, a compiled one)
+        calls.append(x.shape[0])
+        return BatchNormAct2d.forward(layer, x)
+
+    layer.forward = counted
+    model = AccelSyncBatchNorm().apply(nn.Sequential(layer))
+    assert is_synced_batchnorm(layer)
+    model(torch.randn(3, 4, 2, 2))
+    assert calls == [3]  # the user's forward ran (inside the routing)
+    AccelSyncBatchNorm().revert(model)
+    assert layer.forward is counted and not is_synced_batchnorm(layer)
+
+
 class _ManualBatchNorm(nn.BatchNorm2d):
     """A BatchNorm subclass that normalises without F.batch_norm (nothing to synchronise)."""
 
@@ -383,9 +401,9 @@ def _act_layer_joint_batch(rank: int, world_size: int) -> dict[str, Any]:
             weights = torch.linspace(-1, 1, x[0].numel(), dtype=torch.float64).view_as(x[0])
             (out * weights).sum().backward()
             joint = x.clone().requires_grad_()
-            full = ref(joint)
-            (full * weights).sum().backward()
-            torch.testing.assert_close(out, full[rows], rtol=1e-10, atol=1e-10)
+            joint_out = ref(joint)
+            (joint_out * weights).sum().backward()
+            torch.testing.assert_close(out, joint_out[rows], rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(mine.grad, joint.grad[rows], rtol=1e-10, atol=1e-10)
             grad = layer[0].weight.grad.clone()
             dist.all_reduce(grad)  # the layer's own gradients stay local (DDP sums them)
