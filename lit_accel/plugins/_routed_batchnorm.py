@@ -10,7 +10,6 @@ keeps per-rank statistics.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch.distributed as dist
@@ -80,11 +79,10 @@ class RoutedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer = self.layer
-        run = self._previous or functools.partial(type(layer).forward, layer)
         if not (layer.training and self._communicates()):
-            return run(*args, **kwargs)
+            return self._run(*args, **kwargs)
         with self._statistics:
-            out = run(*args, **kwargs)
+            out = self._run(*args, **kwargs)
         if not self._checked:
             self._checked = True
             if not self._statistics.calls:
@@ -94,6 +92,12 @@ class RoutedForward:
                     " configure_model, or pass sync_batchnorm=False to keep every BatchNorm per-rank."
                 )
         return out
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        """What ``forward`` was: the user's instance forward, else the class's."""
+        if self._previous is not None:
+            return self._previous(*args, **kwargs)
+        return type(self.layer).forward(self.layer, *args, **kwargs)
 
     def remove(self) -> None:
         """Give the layer back the ``forward`` it had."""

@@ -95,14 +95,13 @@ class AccelSyncBatchNorm(LayerSync):
                 will run on CPU.
         """
         self.process_group = self._create_group() if groups is None else _group_of(groups)
+        # a class with its own forward is routed first (and then counts as synchronised); the others are replaced
+        self.routed = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm) and _own_forward(m)]
+        for name in self.routed:
+            RoutedForward(model.get_submodule(name), name, self.process_group)
         todo = [m for m in model.modules() if isinstance(m, _BatchNorm) and not is_synced_batchnorm(m)]
-        unsynced = {id(m) for m in todo}
-        own = [(name, m) for name, m in model.named_modules() if id(m) in unsynced and _own_forward(m)]
-        for name, layer in own:
-            RoutedForward(layer, name, self.process_group)
-        self.routed = [name for name, _ in own]
-        todo = [m for m in todo if not is_routed(m)]
-        self.num_converted = len(todo) + len(own)  # modules() lists a shared layer once, and it is converted once
+        # modules() and named_modules() list a shared layer once, and it is converted once
+        self.num_converted = len(todo) + len(self.routed)
         self.resolved_implementation = self._resolve_implementation(todo[0]) if todo else None
         return swap_modules(model, self._to_sync) if todo else model
 
@@ -151,7 +150,7 @@ class AccelSyncBatchNorm(LayerSync):
         return AUTO_ON_CUDA_NCCL if device == "cuda" and "nccl" in backend else "portable"
 
     def _to_sync(self, bn: Module) -> Module | None:
-        if not isinstance(bn, _BatchNorm) or is_synced_batchnorm(bn) or _own_forward(bn):
+        if not isinstance(bn, _BatchNorm) or is_synced_batchnorm(bn):  # (routed layers count as synchronised)
             return None
         cls = torch.nn.SyncBatchNorm if self.resolved_implementation == "torch" else SyncBatchNorm
         # Built on the meta device: its own tensors are replaced by the original's right away.
