@@ -47,10 +47,10 @@ def _one_rank_group(ctx: dict[str, Any]) -> None:
 
 
 def _runner(ctx: dict[str, Any], blocks: nn.ModuleList) -> Any:
+    from lit_accel.layout.schedules import SCHEDULES
+    from lit_accel.layout.stages import StageModule
     from lit_accel.strategies.sharded._pipeline import PipelineRunner
-    from lit_accel.strategies.sharded._schedules import SCHEDULES
     from lit_accel.strategies.sharded._stage import ParallelCommStats
-    from lit_accel.strategies.sharded._stages import StageModule
 
     stages = [StageModule(0, [("blocks.0", blocks[0]), ("blocks.1", blocks[1])]),
               StageModule(1, [("blocks.2", blocks[2]), ("blocks.3", blocks[3])])]  # fmt: skip
@@ -91,8 +91,8 @@ def _train(ctx: dict[str, Any], blocks: nn.ModuleList, steps: int) -> tuple[list
 
 
 def check_parallel(ctx: dict[str, Any]) -> tuple[list[Row], dict[str, Any]]:
+    from lit_accel.layout.schedules import V_ON_GLOO_SINCE
     from lit_accel.plugins.float8 import Float8Conversion
-    from lit_accel.strategies.sharded._schedules import V_ON_GLOO_SINCE
 
     if not ctx["cuda"] and Version(torch.__version__).release < V_ON_GLOO_SINCE.release:
         # Both stages on this one rank send to each other; gloo before torch 2.14 cannot send to the same rank (the

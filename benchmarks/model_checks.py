@@ -76,8 +76,8 @@ def _plan_rank(rank: int, world: int) -> dict[str, Any]:
 
 
 def _chain_seconds(reps: int) -> float:
+    from lit_accel.layout.stages import pipeline_units
     from lit_accel.strategies.sharded._chain import check_chain
-    from lit_accel.strategies.sharded._stages import pipeline_units
     from tests.helpers.parallel import TimmViT
 
     model = TimmViT(**VIT)

@@ -130,7 +130,7 @@ def shard_like_accel_fsdp(module: Any, param_dtype: torch.dtype | None) -> None:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from lit_accel.strategies.parts._blocks import find_blocks
+    from lit_accel.layout.blocks import find_blocks
 
     mesh = module.device_mesh["data_parallel"]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lit_accel.strategies.parts.batch_plan import make_batch_plan, nearest_divisors, nearest_global_batch_sizes
+from lit_accel.layout.batch_plan import make_batch_plan, nearest_divisors, nearest_global_batch_sizes
 
 __all__ = [
     "RUN_DIR_ENV",

@@ -49,7 +49,7 @@ from vit import DIGITS_MODEL, ImageClassifier, build_data, build_model, echo
 
 import lit_accel  # noqa: F401 - registers the strategy names (accel_ddp, accel_fsdp, ...) for --trainer.strategy
 from lit_accel import EfficiencyMonitor
-from lit_accel.strategies.parts.batch_plan import make_batch_plan
+from lit_accel.layout.batch_plan import make_batch_plan
 
 
 class ViTClassifier(ImageClassifier):

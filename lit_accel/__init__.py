@@ -23,6 +23,7 @@ from lit_accel.callbacks import (
     MemoryMonitor,
     NonFiniteGuard,
 )
+from lit_accel.layout import BatchPlan, ParallelPlan
 from lit_accel.meters import EfficiencyMeter, LossScaleMeter, MemoryMeter, ProgressWatchdog
 from lit_accel.planning import Plan, PlanRow, plan
 from lit_accel.plugins import (
@@ -47,8 +48,7 @@ from lit_accel.protocols import (
     SkippedStepRecord,
     StagePlacement,
 )
-from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, ParallelPlan, PipelineLoss
-from lit_accel.strategies.parts.batch_plan import BatchPlan
+from lit_accel.strategies import AccelDDP, AccelFSDP, AccelParallel, AccelParts, PipelineLoss
 from lit_accel.utilities._warnings import install as _install_warning_format
 
 _install_warning_format()  # our warnings on one line, without the source line (utilities/_warnings.py)

@@ -24,21 +24,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lit_accel.layout.batch_plan import make_batch_plan
+from lit_accel.layout.blocks import checkpoint_blocks, find_blocks
+from lit_accel.layout.stages import pipeline_units, split_units
+from lit_accel.layout.tensor_plan import head_attribute, resolve_plan
 from lit_accel.meters._memory_probe import SavedTensorProbe
 from lit_accel.planning._peak import StepPeak, step_peak
 from lit_accel.planning._state import tensor_dims
-from lit_accel.strategies.parts._blocks import find_blocks
-from lit_accel.strategies.parts._micro_batches import batch_length
-from lit_accel.strategies.parts.batch_plan import make_batch_plan
-from lit_accel.strategies.sharded._fsdp_sharding import checkpoint_blocks
-from lit_accel.strategies.sharded._pipeline_batch import pipeline_split
-from lit_accel.strategies.sharded._stages import pipeline_units, split_units
-from lit_accel.strategies.sharded._tensor_plan import head_attribute, resolve_plan
+from lit_accel.utilities._batches import batch_length
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.sharded.plan import ParallelPlan
+    from lit_accel.layout.plan import ParallelPlan
 
 __all__ = ["AUTOCAST", "Activations", "RankShape", "measure_shape", "rank_activations", "shape_key"]
 
@@ -198,7 +196,7 @@ def _prepared(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None,
 
     micro = 1
     if plan is not None and plan.layout.pipeline > 1:  # the strategy's count, refused as it refuses a batch
-        micro = pipeline_split(plan, None)["micro_batches"]
+        micro = plan.pipeline_split(None)["micro_batches"]
         make_batch_plan(None, batch_length(batch), 1, micro_batches=micro, even_micro_batches=True, owner=OWNER)
     autocast = AUTOCAST.get(precision)
     # FSDP computes in its MixedPrecisionPolicy's dtype (the autocast one): the gathered parameters are low precision
@@ -245,7 +243,7 @@ def rank_activations(plan: ParallelPlan | None, shape: RankShape) -> Activations
     stages = defaultdict(float, shape.saved)
     if plan is None or plan.layout.pipeline == 1:
         return Activations(stages[0], stages[0])
-    micro = pipeline_split(plan, None)["micro_batches"]
+    micro = plan.pipeline_split(None)["micro_batches"]
     last = plan.num_stages - 1
     ranks = [plan.stage_ids(rank) for rank in range(plan.layout.pipeline)]
     one = max(sum(stages[s] for s in ids) for ids in ranks)

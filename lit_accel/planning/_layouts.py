@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lit_accel.strategies.sharded.plan import ParallelPlan
+from lit_accel.layout.plan import ParallelPlan
 
 __all__ = ["STRATEGIES", "Candidate", "candidates", "parse"]
 

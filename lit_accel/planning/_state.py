@@ -18,15 +18,15 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
-from lit_accel.strategies.parts._blocks import find_blocks
-from lit_accel.strategies.sharded._stages import pipeline_units, split_units, stage_ranges
-from lit_accel.strategies.sharded._tensor_plan import resolve_plan
+from lit_accel.layout.blocks import find_blocks
+from lit_accel.layout.stages import pipeline_units, split_units, stage_ranges
+from lit_accel.layout.tensor_plan import resolve_plan
 from lit_accel.utilities._memory import meta_step_states
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.sharded.plan import ParallelPlan
+    from lit_accel.layout.plan import ParallelPlan
 
 __all__ = ["gathered_bytes", "optimizer_bytes", "state_bytes", "tensor_dims", "the_optimizer"]
 

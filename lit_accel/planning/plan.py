@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lit_accel.layout.batch_plan import BatchPlan, make_batch_plan
+from lit_accel.layout.stages import check_pipeline_loss
 from lit_accel.planning._activations import AUTOCAST, Activations, RankShape, measure_shape, rank_activations, shape_key
 from lit_accel.planning._layouts import STRATEGIES, Candidate, candidates, parse
 from lit_accel.planning._peak import Moment, StepPeak, in_children
 from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
-from lit_accel.strategies.parts._micro_batches import batch_length
-from lit_accel.strategies.parts.batch_plan import BatchPlan, make_batch_plan
-from lit_accel.strategies.sharded._checks import check_pipeline_loss
-from lit_accel.strategies.sharded._pipeline_batch import pipeline_split
+from lit_accel.utilities._batches import batch_length
 from lit_accel.utilities._units import format_bytes
 from lit_accel.utilities._validation import check_choice, check_int, check_number
 
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import Strategy
 
-    from lit_accel.strategies.sharded.plan import ParallelPlan
+    from lit_accel.layout.plan import ParallelPlan
 
 __all__ = ["Plan", "PlanRow", "plan"]
 
@@ -243,7 +242,7 @@ def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | 
     plan = candidate.plan
     ranks = world_size if plan is None else plan.layout.data
     owner = STRATEGIES[candidate.kind]
-    split = {} if plan is None else pipeline_split(plan, None)
+    split = {} if plan is None else plan.pipeline_split(None)
     try:
         return make_batch_plan(global_batch_size, loaded, ranks, micro_batches=split.get("micro_batches"),
                                even_micro_batches=bool(split), accumulates=not split, owner=owner)  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, DynamicGradScaler
-from lit_accel.strategies.parts._blocks import find_blocks
+from lit_accel.layout.blocks import find_blocks
 from tests.helpers import BNModel, make_dataset, make_loader, params_of, run_distributed, small_trainer_kwargs
 from tests.strategies.test_accel_fsdp import full_state
 

@@ -141,7 +141,7 @@ def with_torch(schedule: str) -> Any:
     """
     from torch.distributed import pipelining
 
-    from lit_accel.strategies.sharded._schedules import SCHEDULES
+    from lit_accel.layout.schedules import SCHEDULES
 
     spec = SCHEDULES[schedule]
     refused = not hasattr(pipelining, spec.torch_class) or spec.cpu_problem() is not None

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lit_accel import AccelParallel, PipelineLoss
+from lit_accel.layout.stages import pipeline_units
 from lit_accel.strategies.sharded._chain import check_chain
-from lit_accel.strategies.sharded._stages import pipeline_units
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 from tests.helpers.parallel import IN, OUT, PipeModel, dataset
@@ -164,7 +164,7 @@ class _UpDown(PipelineLoss, pl.LightningModule):
      ({"up": "colwise"}, "entry 'up': 'colwise' has no partner")],
 )  # fmt: skip
 def test_a_tensor_plan_without_its_pairs_is_refused_naming_the_entry(plan, entry):
-    from lit_accel.strategies.sharded._tensor_plan import resolve_plan
+    from lit_accel.layout.tensor_plan import resolve_plan
 
     with pytest.raises(ValueError, match="Fix: pair each 'colwise' Linear") as info:
         resolve_plan("AccelParallel", _UpDown(), plan, 2)
@@ -237,7 +237,7 @@ def test_models_as_timm_defines_them_pass_only_when_their_units_are_the_forward(
     and the position embedding are added between units) and is refused."""
     import timm
 
-    from lit_accel.strategies.sharded._stages import StageModule
+    from lit_accel.layout.stages import StageModule
 
     resnet = timm.create_model("resnet18", pretrained=False, num_classes=10).eval()
     assert _check(resnet) is None

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_accel import AccelParallel
-from lit_accel.strategies.sharded._schedules import SCHEDULES
+from lit_accel.layout.schedules import SCHEDULES
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 from tests.helpers.parallel import PipeModel, dataset

@@ -57,7 +57,7 @@ def test_accel_fsdp_resolves_its_backend_from_cpu_offload_at_setup_environment(m
     mesh stubbed out, so no group is created; the resolution and the mesh sizes are AccelFSDP's own code)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lit_accel.strategies.sharded._layout import ParallelLayout
+    from lit_accel.layout.mesh import ParallelLayout
 
     monkeypatch.setattr(ModelParallelStrategy, "setup_environment", lambda self: None)
     monkeypatch.setattr(ParallelLayout, "build_mesh", lambda self, device_type: None)

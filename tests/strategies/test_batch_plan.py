@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from lit_accel import BatchPlan
-from lit_accel.strategies.parts.batch_plan import (
+from lit_accel.layout.batch_plan import (
     loaded_batch_size_of,
     make_batch_plan,
     nearest_divisors,

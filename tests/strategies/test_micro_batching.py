@@ -17,7 +17,7 @@ import torch
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, DynamicGradScaler
 from lit_accel.strategies.parts._micro_batch_trials import SearchStopped, candidates, is_out_of_memory
-from lit_accel.strategies.parts._micro_batches import split_batch
+from lit_accel.utilities._batches import split_batch
 from tests.helpers import (
     BNModel,
     DistributedTestError,

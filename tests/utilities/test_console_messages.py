@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 
+from lit_accel.layout.batch_plan import make_batch_plan
 from lit_accel.meters._efficiency_metrics import RankWindow
 from lit_accel.meters._stragglers import StragglerWatch
-from lit_accel.strategies.parts.batch_plan import make_batch_plan
 from lit_accel.utilities._rank_errors import is_configuration_error, say_once
 from lit_accel.utilities._warnings import rank_zero_warn
 

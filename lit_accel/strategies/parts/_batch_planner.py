@@ -3,7 +3,7 @@
 Lightning itself loads the train dataloader inside ``configure_optimizers`` when ``trainer.estimated_stepping_batches``
 is read (``fit_loop.setup_data()``), so a strategy can do the same at the start of its ``setup``, where the process
 group exists and ``configure_optimizers`` has not run: read the loader's batch size, agree on it across the
-data-parallel ranks (one all-reduce), make the :class:`~lit_accel.strategies.parts.batch_plan.BatchPlan`, write
+data-parallel ranks (one all-reduce), make the :class:`~lit_accel.layout.batch_plan.BatchPlan`, write
 ``trainer.accumulate_grad_batches`` once and announce the plan once. The estimate is then the number of optimizer
 steps the run takes. The data-parallel size and group are arguments: a strategy with a mesh passes its data dimension.
 """
@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lit_accel.strategies.parts.batch_plan import BatchPlan, loaded_batch_size_of, make_batch_plan
+from lit_accel.layout.batch_plan import BatchPlan, loaded_batch_size_of, make_batch_plan
 from lit_accel.utilities._validation import check_int
 
 if TYPE_CHECKING:

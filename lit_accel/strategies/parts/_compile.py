@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lit_accel.strategies.parts._blocks import find_blocks
+from lit_accel.layout.blocks import find_blocks
 from lit_accel.utilities._compat import dynamo_graph_count
 
 __all__ = ["ForwardCompilation", "check_compile", "compile_targets"]

@@ -20,6 +20,7 @@ import torch
 
 from lit_accel.strategies.parts import _micro_batch_search as search
 from lit_accel.strategies.parts._micro_batch_trials import SearchLog, is_out_of_memory
+from lit_accel.utilities._batches import batch_length, split_batch
 from lit_accel.utilities._memory import PeakMemory, available_bytes, optimizer_state_bytes
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from torch import Tensor
     from torch.optim import Optimizer
 
-__all__ = ["LocalAttemptHost", "MicroBatchHost", "MicroBatching", "split_batch"]
+__all__ = ["LocalAttemptHost", "MicroBatchHost", "MicroBatching"]
 
 
 @runtime_checkable
@@ -65,43 +66,6 @@ class LocalAttemptHost(Protocol):
 
     def without_collectives(self) -> AbstractContextManager[Callable[[], None]] | None:
         """A block without collectives, giving a ``reset`` to call after each attempt; None where there is none."""
-
-
-def batch_length(batch: Any) -> int:
-    """Samples in ``batch``: dim 0 of its tensors, which must agree."""
-    sizes = set()
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            sizes.add(value.shape[0] if value.dim() else None)
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(batch)
-    if len(sizes) != 1 or None in sizes:
-        shown = sorted("0-dim" if size is None else str(size) for size in sizes)
-        raise ValueError(
-            f"a batch of tensors with dim-0 sizes {shown} cannot be split into micro-batches. Fix: give every tensor"
-            " of the batch its samples along dim 0 (a scalar or a sequence-first tensor cannot be split)."
-        )
-    return sizes.pop()
-
-
-def split_batch(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``start:stop`` of every tensor of ``batch`` (tensors, tuples, lists, dicts); other leaves as they are."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, Mapping):
-        return type(batch)({k: split_batch(v, start, stop) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(split_batch(v, start, stop) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(split_batch(v, start, stop) for v in batch)
-    return batch
 
 
 class MicroBatching:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
     from torch.optim import Optimizer
 
-    from lit_accel.strategies.parts.batch_plan import BatchPlan
+    from lit_accel.layout.batch_plan import BatchPlan
 
 __all__ = ["AccelParts", "register_names", "serves_parts_attributes"]
 

@@ -19,9 +19,11 @@ from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lit_accel.layout import blocks as _blocks
+from lit_accel.layout import stages as _stages
+from lit_accel.layout import tensor_plan as _tensor_plan
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-from lit_accel.strategies.parts import _blocks
-from lit_accel.strategies.sharded import _chain, _stages, _tensor_plan
+from lit_accel.strategies.sharded import _chain
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
 from lit_accel.strategies.sharded._plan_check import PlanCheck
 from lit_accel.utilities import _compat
@@ -30,8 +32,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lit_accel.strategies.sharded._layout import ParallelLayout
-    from lit_accel.strategies.sharded.plan import ParallelPlan
+    from lit_accel.layout.mesh import ParallelLayout
+    from lit_accel.layout.plan import ParallelPlan
 
 __all__ = ["BuildConfig", "ParallelModel", "build_parallel_model", "sync_layers"]
 
@@ -145,7 +147,7 @@ def _wrap_blocks(owner: str, module: nn.Module, stages: list[_stages.StageModule
     blocks = _blocks.find_blocks(owner, module, plan.shard_policy) if wanted else []
     if config.compile_blocks is not None:
         config.compile_blocks(module, blocks)
-    sharding.checkpoint_blocks(owner, module, blocks, plan.activation_checkpointing)
+    _blocks.checkpoint_blocks(owner, module, blocks, plan.activation_checkpointing)
     return _shard(module, stages, blocks, plan.layout.data_mesh(mesh), config) if shards else ([], [])
 
 

@@ -1,6 +1,6 @@
 """The pipeline contract, checked: the model's ``forward`` must be its units applied in order, or no split is made.
 
-A pipeline runs the units of the model in registration order (``_stages.StageModule``), never the model's own
+A pipeline runs the units of the model in registration order (``layout.stages.StageModule``), never the model's own
 ``forward``; a residual across units, an operation between them or units called in another order would then train a
 different model without a word. Before the split, ``forward`` is traced with ``torch.fx`` (units as leaves: nothing
 runs, so a model on the meta device is checked as well) and every node must be a unit taking the previous unit's

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lit_accel.layout.stages import check_pipeline_loss
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.utilities._compat import get_layer_sync
 from lit_accel.utilities._validation import check_choice, check_int
@@ -21,10 +22,10 @@ from lit_accel.utilities._validation import check_choice, check_int
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.sharded._layout import ParallelLayout
-    from lit_accel.strategies.sharded.plan import ParallelPlan
+    from lit_accel.layout.mesh import ParallelLayout
+    from lit_accel.layout.plan import ParallelPlan
 
-__all__ = ["check_arguments", "check_environment", "check_model", "check_pipeline_loss"]
+__all__ = ["check_arguments", "check_environment", "check_model"]
 
 
 def check_arguments(
@@ -95,16 +96,6 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
     if precision == "16-mixed" and not _scaler_ok(strategy.precision_plugin):
         raise ValueError(
             f"{owner}: 16-mixed needs a loss scaler on the precision plugin. Fix: AccelPrecision('16-mixed')."
-        )
-
-
-def check_pipeline_loss(owner: str, module: pl.LightningModule, pipeline: int) -> None:
-    """A pipeline needs the module's ``pipeline_loss``."""
-    if pipeline > 1 and not callable(getattr(module, "pipeline_loss", None)):
-        raise TypeError(
-            f"{owner}(pipeline_parallel={pipeline}) needs {type(module).__name__}.pipeline_loss(output, target)"
-            " returning the mean loss of a micro-batch (the last stage computes it; training_step is not used)."
-            " Fix: define pipeline_loss."
         )
 
 

@@ -1,6 +1,6 @@
 """How the sharded strategies shard: FSDP2's ``fully_shard`` per block and then on the root, and FSDP's dtypes.
 
-The blocks are ``parts/_blocks.py``'s. They are sharded innermost first, then the root, as torchtitan does;
+The blocks are ``lit_accel/layout/blocks.py``'s. They are sharded innermost first, then the root, as torchtitan does;
 activation checkpointing wraps the blocks first (``torch.distributed._composable.checkpoint``: no module or key
 changes).
 """
@@ -14,15 +14,12 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-from lit_accel.strategies.parts._blocks import ShardPolicy, find_blocks
-from lit_accel.utilities._compat import composable_checkpoint
-
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lit_accel.strategies.sharded.plan import ParallelPlan
+    from lit_accel.layout.plan import ParallelPlan
 
-__all__ = ["checkpoint_blocks", "parameter_dtype", "shard_model", "sharded_by_user"]
+__all__ = ["parameter_dtype", "shard_model", "sharded_by_user"]
 
 _PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
@@ -30,15 +27,6 @@ _PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-m
 def parameter_dtype(precision: object) -> torch.dtype | None:
     """FSDP's compute dtype for the parameters under ``precision`` (a Lightning precision plugin), or None."""
     return _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
-
-
-def checkpoint_blocks(owner: str, model: nn.Module, blocks: list[nn.Module], policy: bool | ShardPolicy) -> None:
-    """Activation checkpointing on ``blocks`` (``True``) or on what ``policy`` selects, before ``fully_shard``."""
-    if policy is False:
-        return
-    checkpoint = composable_checkpoint()
-    for block in blocks if policy is True else find_blocks(owner, model, policy, "activation_checkpointing"):
-        checkpoint(block)
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], plan: ParallelPlan) -> None:

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lit_accel.layout.schedules import ScheduleSpec, microbatch_problem, valid_microbatches
 from lit_accel.strategies.sharded._bubble import BubbleMeter, Order, single_stage_order, torch_order
-from lit_accel.strategies.sharded._schedules import ScheduleSpec, microbatch_problem, valid_microbatches
 from lit_accel.strategies.sharded._stage import ParallelCommStats, TimedStage
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import Tensor
 
-    from lit_accel.strategies.sharded._stages import StageModule
+    from lit_accel.layout.stages import StageModule
 
 __all__ = ["PipelineRunner", "split_batch"]
 

@@ -10,31 +10,21 @@ would refuse it, a warning with the bubble where it merely idles).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit_accel.strategies.parts.batch_plan import no_accumulation
-from lit_accel.strategies.sharded._schedules import analytic_bubble
+from lit_accel.layout.batch_plan import no_accumulation
+from lit_accel.layout.schedules import analytic_bubble
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_accel.strategies.parts.batch_plan import BatchPlan
+    from lit_accel.layout.batch_plan import BatchPlan
     from lit_accel.strategies.sharded._pipeline import PipelineRunner
-    from lit_accel.strategies.sharded.plan import ParallelPlan
 
-__all__ = ["check_no_accumulation", "fit_pipeline", "pipeline_split"]
-
-
-def pipeline_split(plan: ParallelPlan, micro_batch_size: object) -> dict[str, Any]:
-    """``AccelParts.setup``'s keywords: a pipeline splits each batch itself into its planned count; else none."""
-    if plan.layout.pipeline == 1:
-        return {}
-    # the given count; else None where micro_batch_size splits; else twice the stages
-    count = plan.microbatches if plan.microbatches is not None or micro_batch_size is not None else 2 * plan.num_stages
-    return {"splits_batches": True, "micro_batches": count}
+__all__ = ["check_no_accumulation", "fit_pipeline"]
 
 
 def check_no_accumulation(owner: str, trainer: pl.Trainer, plan: BatchPlan | None) -> None:

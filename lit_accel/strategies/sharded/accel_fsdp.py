@@ -10,8 +10,8 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from typing_extensions import override
 
+from lit_accel.layout import blocks as _blocks
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-from lit_accel.strategies.parts import _blocks
 from lit_accel.strategies.parts.accel_parts import register_names
 from lit_accel.strategies.sharded.accel_parallel import AccelParallel
 

@@ -15,22 +15,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lit_accel.layout import blocks as _blocks
+from lit_accel.layout.mesh import ParallelLayout
+from lit_accel.layout.plan import ParallelPlan
+from lit_accel.layout.schedules import ScheduleName
+from lit_accel.layout.tensor_plan import TensorPlan
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-from lit_accel.strategies.parts import _blocks
 from lit_accel.strategies.parts._backend import check_backend_spec, resolve_backend
 from lit_accel.strategies.parts.accel_parts import AccelParts, register_names, serves_parts_attributes
 from lit_accel.strategies.sharded import _checks, _gradients
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
 from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, build_parallel_model, sync_layers
 from lit_accel.strategies.sharded._fsdp_comm import GradientSync, gathered_attempts, install_counting_comms
-from lit_accel.strategies.sharded._layout import ParallelLayout
 from lit_accel.strategies.sharded._pipeline import PipelineRunner
-from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, fit_pipeline, pipeline_split
+from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, fit_pipeline
 from lit_accel.strategies.sharded._plan_check import PlanCheck
-from lit_accel.strategies.sharded._schedules import ScheduleName
 from lit_accel.strategies.sharded._stage import ParallelCommStats
-from lit_accel.strategies.sharded._tensor_plan import TensorPlan
-from lit_accel.strategies.sharded.plan import ParallelPlan
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ class AccelParallel(ModelParallelStrategy):
         _checks.check_model(name, self, module, layout)
         # Agreed over the world (data_parallel_size is the mesh's data dimension): a replica's stages and shards load
         # the same batches too, and the world needs no flattened sub-mesh group.
-        split = pipeline_split(self.plan, self.parts.planner.micro_batch_size)
+        split = self.plan.pipeline_split(self.parts.planner.micro_batch_size)
         plan = self.parts.setup(self, trainer, data_parallel_size=layout.data, **split)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and layout.pipeline > 1:

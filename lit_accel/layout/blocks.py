@@ -15,7 +15,9 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["ShardPolicy", "check_policy", "find_blocks"]
+from lit_accel.utilities._compat import composable_checkpoint
+
+__all__ = ["ShardPolicy", "check_policy", "checkpoint_blocks", "find_blocks"]
 
 ShardPolicy = Literal["auto"] | type | tuple[type, ...] | int | Callable[[nn.Module], bool]
 
@@ -112,3 +114,12 @@ def _by_size(model: nn.Module, min_params: int) -> list[nn.Module]:
 
     visit(model)
     return blocks[::-1]
+
+
+def checkpoint_blocks(owner: str, model: nn.Module, blocks: list[nn.Module], policy: bool | ShardPolicy) -> None:
+    """Activation checkpointing on ``blocks`` (``True``) or on what ``policy`` selects, before ``fully_shard``."""
+    if policy is False:
+        return
+    checkpoint = composable_checkpoint()
+    for block in blocks if policy is True else find_blocks(owner, model, policy, "activation_checkpointing"):
+        checkpoint(block)

@@ -12,15 +12,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from lit_accel.layout import blocks as _blocks
+from lit_accel.layout.mesh import ParallelLayout
+from lit_accel.layout.schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
+from lit_accel.layout.tensor_plan import TensorPlan, check_plan
 from lit_accel.protocols import StagePlacement
-from lit_accel.strategies.parts import _blocks
-from lit_accel.strategies.sharded._layout import ParallelLayout
-from lit_accel.strategies.sharded._schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
-from lit_accel.strategies.sharded._tensor_plan import TensorPlan, check_plan
 from lit_accel.utilities._validation import check_bool, check_choice, check_int
 
 __all__ = ["ParallelPlan"]
@@ -131,6 +131,16 @@ class ParallelPlan:
         layout = self.layout
         layout = ParallelLayout.from_world(owner, world_size, layout.pipeline, layout.tensor, layout.data_replicate)
         return dataclasses.replace(self, layout=layout, param_dtype=param_dtype)
+
+    def pipeline_split(self, micro_batch_size: object) -> dict[str, Any]:
+        """``AccelParts.setup``'s keywords: a pipeline splits each batch itself into its planned count; else none."""
+        if self.layout.pipeline == 1:
+            return {}
+        # the given count; else None where micro_batch_size splits; else twice the stages
+        count = (
+            self.microbatches if self.microbatches is not None or micro_batch_size is not None else 2 * self.num_stages
+        )
+        return {"splits_batches": True, "micro_batches": count}
 
     @property
     def num_stages(self) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["StageModule", "pipeline_units", "prune_to", "split_units"]
+__all__ = ["StageModule", "check_pipeline_loss", "pipeline_units", "prune_to", "split_units"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -126,6 +126,16 @@ def prune_to(module: nn.Module, units: list[tuple[str, nn.Module]], keep: set[st
             setattr(parent, leaf, nn.Identity())
 
 
+def check_pipeline_loss(owner: str, module: nn.Module, pipeline: int) -> None:
+    """A pipeline needs the module's ``pipeline_loss``."""
+    if pipeline > 1 and not callable(getattr(module, "pipeline_loss", None)):
+        raise TypeError(
+            f"{owner}(pipeline_parallel={pipeline}) needs {type(module).__name__}.pipeline_loss(output, target)"
+            " returning the mean loss of a micro-batch (the last stage computes it; training_step is not used)."
+            " Fix: define pipeline_loss."
+        )
+
+
 class StageModule(nn.Module):
     """One pipeline stage: its units applied in order (a tuple output is passed on as positional arguments).
 
@@ -140,6 +150,7 @@ class StageModule(nn.Module):
         self.units = nn.ModuleList([unit for _, unit in units])
 
     def forward(self, *args: Any) -> Any:
+        """The units in order, each output passed on as the next one's arguments."""
         # What crosses to a neighbour stage is contiguous, both ways: torch sizes the receiving buffers by the
         # strides it saw (``empty_strided``) and a process group sends only contiguous tensors (a transposing
         # nn.MultiheadAttention, as in torchvision's ViT, would otherwise fail in isend/irecv).
