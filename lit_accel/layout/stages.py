@@ -20,7 +20,8 @@ from torch import nn
 
 __all__ = ["StageModule", "check_pipeline_loss", "pipeline_units", "prune_to", "split_units"]
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+#: The containers whose items are units of their own.
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def pipeline_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -30,7 +31,7 @@ def pipeline_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     def visit(prefix: str, parent: nn.Module) -> None:
         for name, child in parent.named_children():
             path = f"{prefix}{name}"
-            if isinstance(child, _CONTAINERS):
+            if isinstance(child, CONTAINERS):
                 visit(f"{path}.", child)
             else:
                 units.append((path, child))
@@ -43,7 +44,7 @@ def loose_parameters(module: nn.Module) -> list[str]:
     """Names of parameters that belong to ``module`` or one of its containers themselves, not to a unit."""
     loose = [name for name, _ in module.named_parameters(recurse=False)]
     for name, child in module.named_modules():
-        if child is not module and isinstance(child, _CONTAINERS):
+        if child is not module and isinstance(child, CONTAINERS):
             loose += [f"{name}.{p}" for p, _ in child.named_parameters(recurse=False)]
     return loose
 
@@ -146,7 +147,6 @@ class StageModule(nn.Module):
     def __init__(self, index: int, units: list[tuple[str, nn.Module]]) -> None:
         super().__init__()
         self.index = index
-        self.unit_names = [name for name, _ in units]
         self.units = nn.ModuleList([unit for _, unit in units])
 
     def forward(self, *args: Any) -> Any:

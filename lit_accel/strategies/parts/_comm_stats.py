@@ -29,27 +29,7 @@ __all__ = ["HookCommStats"]
 _MAX_PENDING = 4096
 
 
-class _Totals:
-    """Pickles (``start_method="spawn"``) as its totals only: locks, CUDA events and DDP models do not travel."""
-
-    calls: int
-    bytes: int
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"calls": self.calls, "bytes": self.bytes}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
-        self._restore(state["calls"], state["bytes"])
-
-    def _restore(self, calls: int, nbytes: int) -> None:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(calls={self.calls}, bytes={self.bytes})"
-
-
-class HookCommStats(_Totals):
+class HookCommStats:
     """Host-side counters of the gradient collectives issued through a counting comm hook (``counting_comm_hook``).
 
     AccelDDP's, whatever its ``comm_hook``; satisfies :class:`lit_accel.protocols.CommStats` and ``CommTiming``. The
@@ -86,7 +66,7 @@ class HookCommStats(_Totals):
         self._folded_exposed_s = 0.0
 
     @property
-    def calls(self) -> int:  # type: ignore[override]
+    def calls(self) -> int:
         """All-reduce collectives issued so far (cumulative; a Python ``int``)."""
         self._fold()
         return self._calls
@@ -97,7 +77,7 @@ class HookCommStats(_Totals):
         self._calls = value
 
     @property
-    def bytes(self) -> int:  # type: ignore[override]
+    def bytes(self) -> int:
         """Payload bytes those collectives put on the wire per rank (cumulative; a Python ``int``)."""
         self._fold()
         return self._bytes
@@ -106,6 +86,17 @@ class HookCommStats(_Totals):
     def bytes(self, value: int) -> None:
         self._fold()
         self._bytes = value
+
+    # Pickled (``start_method="spawn"``) as the totals only: locks, CUDA events and DDP models do not travel.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"calls": self.calls, "bytes": self.bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self._calls, self._bytes = state["calls"], state["bytes"]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(calls={self.calls}, bytes={self.bytes})"
 
     def request_timing(self) -> None:
         """Time every collective exactly (``pop_elapsed_s``, ``pop_exposed_s``): ask before the fit's first backward.
@@ -239,9 +230,6 @@ class HookCommStats(_Totals):
             done = {id(e) for _, e in finished}
             self._folded_s += _union_length(_cuda_spans(finished))
             self._cuda_intervals = [(s, e) for s, e in self._cuda_intervals if id(e) not in done]
-
-    def _restore(self, calls: int, nbytes: int) -> None:
-        self._calls, self._bytes = calls, nbytes
 
 
 class _Round:

@@ -33,11 +33,6 @@ class PartialWindow:
         self.mode = mode
         self._loaded = 0  # loaded batches since the last optimizer step
 
-    @property
-    def loaded_batches(self) -> int:
-        """Loaded batches since the last optimizer step."""
-        return self._loaded
-
     def batch_started(self) -> None:
         """A loaded batch's ``training_step`` begins."""
         self._loaded += 1

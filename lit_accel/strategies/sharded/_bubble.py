@@ -14,7 +14,7 @@ gradients. The difference to the measured value is what communication and imbala
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -107,13 +107,11 @@ def simulate(order: Order, durations: dict[str, float], num_stages: int) -> dict
 class BubbleMeter:
     """One rank's busy and wall time in the pipeline, and the analytic idle time of the same steps."""
 
-    def __init__(
-        self, device: torch.device, rank: int, num_stages: int, clock: Callable[[], float] = time.perf_counter
-    ):
+    def __init__(self, device: torch.device, rank: int, num_stages: int) -> None:
         self.rank, self.num_stages = rank, num_stages
-        self._timers = {kind: IntervalTimer(device, clock) for kind in KINDS}
+        self._timers = {kind: IntervalTimer(device, time.perf_counter) for kind in KINDS}
         self._counts = dict.fromkeys(KINDS, 0)
-        self._wall = IntervalTimer(device, clock)
+        self._wall = IntervalTimer(device, time.perf_counter)
         self._steps: dict[int, int] = {}  # id(order) -> steps run with it since the last pop
         self._orders: dict[int, Order] = {}
 

@@ -59,12 +59,6 @@ class ParallelModel:
     stages: list[_stages.StageModule]
     #: the outermost FSDP modules (their gradient sync is switched off while accumulating)
     fsdp_roots: list[nn.Module]
-    #: module names tensor-parallelised on this rank
-    tensor_modules: list[str]
-    #: stages in the whole pipeline
-    num_stages: int = 1
-    #: every unit name and the first unit index of each stage (for messages and the docs' table)
-    stage_starts: list[int] = dataclasses.field(default_factory=list)
     #: the tensor plan's check against the unsharded model (armed for the first training forward), with a plan
     plan_check: PlanCheck | None = None
     #: the modules ``fully_shard`` was applied to, in that order (each root's blocks, then the root)
@@ -80,8 +74,8 @@ def _check_loose(owner: str, module: nn.Module, layout: ParallelLayout) -> None:
         )
 
 
-def _split(owner: str, module: pl.LightningModule, pp_rank: int, config: BuildConfig) -> Any:
-    """Choose the stages, keep this rank's units; returns (stage id -> unit names, num_stages, starts)."""
+def _split(owner: str, module: pl.LightningModule, pp_rank: int, config: BuildConfig) -> dict[int, list[str]]:
+    """Choose the stages, keep this rank's units; returns stage id -> unit names."""
     units = _stages.pipeline_units(module)
     names = [name for name, _ in units]
     _chain.check_chain(owner, module, names)  # before any unit is pruned: the stages must be the model's forward
@@ -93,7 +87,7 @@ def _split(owner: str, module: pl.LightningModule, pp_rank: int, config: BuildCo
     _stages.prune_to(module, units, {name for unit_names in owned.values() for name in unit_names})
     described = ", ".join(f"stage {s}: {names[r[0]]}..{names[r[-1]]}" for s, r in enumerate(ranges))
     rank_zero_info(f"{owner}: {num_stages} pipeline stages ({described}).")
-    return owned, num_stages, starts
+    return owned
 
 
 def build_parallel_model(
@@ -111,10 +105,7 @@ def build_parallel_model(
     if layered:
         _check_loose(owner, module, layout)  # (without them the whole module is FSDP's root, its own parameters too)
     plan = _tensor_plan.resolve_plan(owner, module, config.plan.tensor_plan, layout.tensor)
-    owned: dict[int, list[str]] = {}
-    num_stages, starts = 1, [0]
-    if layout.pipeline > 1:
-        owned, num_stages, starts = _split(owner, module, layout.coordinates(rank)[0], config)
+    owned = _split(owner, module, layout.coordinates(rank)[0], config) if layout.pipeline > 1 else {}
     sync_layers(module, config.plan, config.layer_sync)
     _compat.materialize_distributed_module(module, device)
     precision.convert_module(module)
@@ -126,7 +117,7 @@ def build_parallel_model(
         _stages.StageModule(sid, [(name, module.get_submodule(name)) for name in names]) for sid, names in owned.items()
     ]
     roots, sharded = (own_sharding, []) if own_sharding else _wrap_blocks(owner, module, stages, mesh, config)
-    return ParallelModel(stages, roots, tensor_modules, num_stages, starts, plan_check, sharded)
+    return ParallelModel(stages, roots, plan_check, sharded)
 
 
 def sync_layers(module: nn.Module, plan: ParallelPlan, layer_sync: LayerSync | None) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["check_chain"]
+from lit_accel.layout.stages import CONTAINERS
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+__all__ = ["check_chain"]
 
 
 class _UnitTracer(fx.Tracer):
@@ -32,7 +32,7 @@ class _UnitTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.units:
             return True
-        return not isinstance(m, _CONTAINERS) and super().is_leaf_module(m, module_qualified_name)
+        return not isinstance(m, CONTAINERS) and super().is_leaf_module(m, module_qualified_name)
 
 
 def _fix(names: list[str]) -> str:

@@ -93,7 +93,9 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
             f"{owner}(tensor_parallel={layout.tensor}) with fp8-mixed: float8 Linear layers need torchao's float8"
             " tensor-parallel styles, which AccelParallel does not apply. Fix: bf16-mixed, or tensor_parallel=1."
         )
-    if precision == "16-mixed" and not _scaler_ok(strategy.precision_plugin):
+    if precision == "16-mixed" and not isinstance(
+        getattr(strategy.precision_plugin, "scaler", None), torch.amp.GradScaler
+    ):
         raise ValueError(
             f"{owner}: 16-mixed needs a loss scaler on the precision plugin. Fix: AccelPrecision('16-mixed')."
         )
@@ -108,8 +110,3 @@ def _check_layer_sync(owner: str, layer_sync: Any, layout: ParallelLayout) -> No
             f" {type(layer_sync).__name__}, which synchronises over the world: a stage's and a tensor shard's peers"
             " would be mixed in. Fix: AccelSyncBatchNorm() (synchronised over the data dimension), or drop it."
         )
-
-
-def _scaler_ok(plugin: Any) -> bool:
-    scaler = getattr(plugin, "scaler", None)
-    return scaler is not None and isinstance(scaler, torch.amp.GradScaler)

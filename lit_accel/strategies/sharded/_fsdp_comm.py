@@ -42,7 +42,7 @@ _MAX_ROUNDS = 4096  # rounds kept for pop_exposed_s before the completed ones ar
 class FSDPCommStats(HookCommStats):
     """All-gathers and reduce-scatters of an FSDP2 model; satisfies :class:`lit_accel.protocols.CommStats`.
 
-    ``calls``/``bytes`` count both kinds; ``all_gathers``/``reduce_scatters`` and their bytes count each, and
+    ``calls``/``bytes`` count both kinds; ``all_gathers``/``reduce_scatters`` count each, and
     ``rounds`` the synchronised backward passes (reduce-scatter rounds: one per optimizer step with accumulation;
     under ``micro_batch_size="auto"`` one per loaded batch, and a discarded attempt's where it ran).
     """
@@ -50,14 +50,9 @@ class FSDPCommStats(HookCommStats):
     def __init__(self) -> None:
         super().__init__()
         self.all_gathers = self.reduce_scatters = self.rounds = 0
-        self.all_gather_bytes = self.reduce_scatter_bytes = 0
         self._blocked_s = 0.0  # off CUDA: host time inside synchronous collectives
         self._waits: IntervalTimer | None = None  # on CUDA: the compute stream in FSDP's pre-forward hooks
         self._last_reduce_scatter: dict[int, tuple[Any, Any]] = {}  # on CUDA: round -> its last (start, end) events
-
-    def bus_bytes(self, world_size: int) -> float:
-        """Bytes per device the ring algorithms move for the counted collectives: (n - 1) / n of each payload."""
-        return self.bytes * (world_size - 1) / world_size
 
     def pop_exposed_s(self) -> float:
         """Seconds the training waited for FSDP's collectives since the last pop (module docstring); logging steps."""
@@ -84,10 +79,8 @@ class FSDPCommStats(HookCommStats):
         self.bytes += nbytes
         if kind == "all_gather":
             self.all_gathers += 1
-            self.all_gather_bytes += nbytes
         else:
             self.reduce_scatters += 1
-            self.reduce_scatter_bytes += nbytes
 
     def _timed(self, work: Any, start: Any, kind: str) -> Any:
         round_ = self.rounds  # the strategy counts the backward after it returns: this is its index
@@ -111,21 +104,18 @@ class FSDPCommStats(HookCommStats):
             work.get_future().then(lambda fut: (finished(self.record_end(start)), fut.value())[1])
         return work
 
-    def _restore(self, calls: int, nbytes: int) -> None:
-        self.calls, self.bytes = calls, nbytes
 
+class _Counting:
+    """FSDP's default allocation, the counters kept (the base of both counting collectives)."""
 
-def _allocate(size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _CountingAllGather(_AllGather):  # type: ignore[misc, valid-type]
     def __init__(self, stats: FSDPCommStats) -> None:
         self.stats = stats
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _allocate(size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
 
+
+class _CountingAllGather(_Counting, _AllGather):  # type: ignore[misc, valid-type]
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
         self.stats._count("all_gather", output_tensor.numel() * output_tensor.element_size())
         start = self.stats.start(output_tensor.device)
@@ -133,13 +123,7 @@ class _CountingAllGather(_AllGather):  # type: ignore[misc, valid-type]
         return self.stats._timed(work, start, "all_gather")
 
 
-class _CountingReduceScatter(_ReduceScatter):  # type: ignore[misc, valid-type]
-    def __init__(self, stats: FSDPCommStats) -> None:
-        self.stats = stats
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _allocate(size, dtype=dtype, device=device)
-
+class _CountingReduceScatter(_Counting, _ReduceScatter):  # type: ignore[misc, valid-type]
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
     ):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lit_accel.layout.schedules import ScheduleSpec, microbatch_problem, valid_microbatches
+from lit_accel.layout.schedules import ScheduleSpec, valid_microbatches
 from lit_accel.strategies.sharded._bubble import BubbleMeter, Order, single_stage_order, torch_order
 from lit_accel.strategies.sharded._stage import ParallelCommStats, TimedStage
 
@@ -109,12 +109,6 @@ class PipelineRunner:
     def has_first_stage(self) -> bool:
         """Whether this rank takes the inputs."""
         return any(m.index == 0 for m in self.modules)
-
-    def check_batch(self, batch_size: int) -> str | None:
-        """Why a full batch of ``batch_size`` samples cannot be split into the configured micro-batches, or None."""
-        if batch_size % self.microbatches:
-            return f"a loaded batch of {batch_size} samples does not split into {self.microbatches} equal micro-batches"
-        return microbatch_problem(self.spec, self.microbatches, self.pipeline, self.stages_per_rank)
 
     def _schedule(self, batch_size: int, train: bool) -> tuple[Any, int, Order]:
         key = (batch_size, train)
@@ -208,15 +202,10 @@ class PipelineRunner:
     def validation_step(self, batch: Any, module: pl.LightningModule) -> Tensor:
         """The batch's mean loss (no gradients), logged as ``val_loss`` over the world."""
         with torch.no_grad():
-            loss = self.eval_step(batch, module)
-        module.log("val_loss", loss, sync_dist=True)
-        return loss
-
-    def eval_step(self, batch: Any, module: pl.LightningModule) -> Tensor:
-        """Forward only; the batch's mean loss on every pipeline rank."""
-        loss = self._run(batch, module, train=False, scale=None)
+            loss = self._run(batch, module, train=False, scale=None)  # the mean loss on every pipeline rank
         for stage_module in self.modules:  # unsharded by the forward (no backward reshards them): free them again
             _reshard(stage_module)
+        module.log("val_loss", loss, sync_dist=True)
         return loss
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit_accel.layout.batch_plan import no_accumulation
-from lit_accel.layout.schedules import analytic_bubble
+from lit_accel.layout.schedules import analytic_bubble, microbatch_problem
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -51,7 +51,8 @@ def fit_pipeline(owner: str, pipeline: PipelineRunner | None, plan: BatchPlan | 
 
 def _check_pipeline_batch(owner: str, pipeline: PipelineRunner, plan: BatchPlan) -> None:
     """The loaded batch against the schedule: refuse what torch refuses, warn when micro-batches leave stages idle."""
-    problem = pipeline.check_batch(plan.loaded_batch_size)
+    # (the plan's micro-batches are equal: make_batch_plan refused a loaded batch they do not divide)
+    problem = microbatch_problem(pipeline.spec, plan.micro_batches, pipeline.pipeline, pipeline.stages_per_rank)
     if problem is not None:
         raise ValueError(
             f"{owner}(schedule={pipeline.spec.name!r}, microbatches={plan.micro_batches}): {problem}. Fix: more"

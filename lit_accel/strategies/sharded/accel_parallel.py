@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -266,7 +265,7 @@ class AccelParallel(ModelParallelStrategy):
 
     def _build(self, module: pl.LightningModule) -> None:
         name, compiling = type(self).__name__, self.parts.compilation is not None
-        config = BuildConfig(name, self.plan, functools.partial(self.parts.compile_blocks, name) if compiling else None,
+        config = BuildConfig(name, self.plan, self.parts.compile_blocks if compiling else None,
                              _compat.get_layer_sync(self))  # fmt: skip
         built = build_parallel_model(module, self.device_mesh, self.global_rank, self.root_device,
                                      self.precision_plugin, config)  # fmt: skip
@@ -274,9 +273,10 @@ class AccelParallel(ModelParallelStrategy):
             install_counting_comms(root, self._comm_stats)
         self._built, self._sync.roots, self._plan_check = built, built.fsdp_roots, built.plan_check
         if built.stages:
-            self._pipeline = PipelineRunner(name, self.plan.schedule, built.stages, built.num_stages,
+            num_stages = self.plan.num_stages
+            self._pipeline = PipelineRunner(name, self.plan.schedule, built.stages, num_stages,
                                             self.device_mesh["pipeline"].get_group(), self.root_device,
-                                            self.plan.microbatches or 2 * built.num_stages, module.pipeline_loss,
+                                            self.plan.microbatches or 2 * num_stages, module.pipeline_loss,
                                             self._comm_stats)  # type: ignore[arg-type]  # fmt: skip
             self._comm_stats.bubble = self._pipeline.meter
 
