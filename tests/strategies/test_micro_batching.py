@@ -8,6 +8,8 @@ out-of-memory error later ends every rank with one message.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 
 from lit_accel import AccelDDP, AccelFSDP, AccelPrecision, DynamicGradScaler
 from lit_accel.strategies.parts._micro_batch_trials import SearchStopped, candidates, is_out_of_memory
-from lit_accel.utilities._batches import split_batch
+from lit_accel.utilities._batches import batch_length, split_batch
 from tests.helpers import (
     BNModel,
     DistributedTestError,
@@ -39,6 +41,29 @@ def test_split_batch_slices_every_tensor_of_nested_batches():
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert is_out_of_memory(MemoryError("std::bad_alloc")) and is_out_of_memory(torch.OutOfMemoryError("CUDA"))
     assert not is_out_of_memory(SearchStopped("a micro-batch of 1 sample(s) does not fit (1: out of memory)"))
+
+
+@dataclasses.dataclass
+class _Sample:
+    image: torch.Tensor
+    label: torch.Tensor
+    source: str = "disk"
+
+
+def test_batches_lightning_can_move_split_too():
+    # A dataclass batch and a defaultdict (both moved to the device by Lightning's apply_to_collection) were refused
+    # (no tensor found) or failed (defaultdict's constructor) before.
+    sample = _Sample(torch.arange(6), torch.ones(6, 2))
+    assert batch_length(sample) == 6
+    part = split_batch(sample, 2, 5)
+    assert isinstance(part, _Sample) and part.image.tolist() == [2, 3, 4] and part.label.shape == (3, 2)
+    assert part.source == "disk" and sample.image.shape == (6,)  # the loaded batch is left whole
+    grouped = collections.defaultdict(list, x=torch.arange(6))
+    split = split_batch(grouped, 0, 2)
+    assert isinstance(split, collections.defaultdict) and split.default_factory is list
+    assert split["x"].tolist() == [0, 1]
+    with pytest.raises(ValueError, match=r"dim-0 sizes \['3', '4'\]"):
+        batch_length(_Sample(torch.ones(3), torch.ones(4)))
 
 
 def test_candidates_halve_from_the_loaded_batch():
