@@ -141,6 +141,7 @@ def _defined_names() -> dict[str, list[object]]:
 # --- issue #27: the strategies stay simple, and no module reaches into a strategy's private state ---
 
 STRATEGIES = sorted((PACKAGE / "strategies").rglob("*.py"))  # every folder of the strategies
+LAYOUT = sorted((PACKAGE / "layout").rglob("*.py"))  # the plans the strategies run, held to the same rule
 MAX_COMPLEXITY = 12
 _BRANCHES = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.ExceptHandler, ast.IfExp, ast.comprehension, ast.match_case)
 
@@ -193,9 +194,22 @@ def _is_strategy(expr: ast.expr) -> bool:
 def test_no_module_reads_a_private_name_of_a_strategy_it_does_not_define():
     """Private Lightning/torch state only through utilities/_compat.py (and fixes in _workarounds.py)."""
     fenced = {"_compat.py", "_workarounds.py"}
-    reads = [r for path in STRATEGIES if path.name not in fenced for r in _private_reads(path)]
+    reads = [r for path in [*STRATEGIES, *LAYOUT] if path.name not in fenced for r in _private_reads(path)]
     reads += [r for path in MODULES if path.name not in fenced for r in _private_reads(path, _is_strategy)]
     assert not reads, f"private names read from other objects (go through a public name or _compat): {reads}"
+
+
+def test_nothing_outside_the_strategies_imports_their_modules():
+    """The planner and the rest reach the strategies through ``lit_accel.strategies``; what both read is in layout/."""
+    imports = []
+    for path in MODULES:
+        if PACKAGE / "strategies" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if module.startswith("lit_accel.strategies."):
+                imports.append(f"{path.relative_to(ROOT)}:{node.lineno} {module}")
+    assert not imports, f"imports of the strategies' modules (import from lit_accel.layout instead): {imports}"
 
 
 _EXAMPLE_ONLY = ("timm", "torchmetrics")

@@ -1,4 +1,4 @@
-"""A model's blocks: the modules a policy selects, which FSDP shards one by one and ``compile=`` compiles one by one.
+"""A model's blocks: what a policy selects, and FSDP shards, ``compile=`` compiles and checkpointing wraps one by one.
 
 A *policy* names the blocks: ``"auto"`` (the class repeated inside a ``ModuleList`` or ``Sequential`` whose
 instances hold the most parameters together, such as timm's ViT ``Block``, torchvision's ``EncoderBlock`` or a

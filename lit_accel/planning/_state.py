@@ -1,11 +1,11 @@
 """The model state each rank of a layout holds: parameters, gradients and optimizer state, in bytes.
 
 Worked out from the model's parameter shapes alone (a model on the meta device plans as well as a real one), with the
-strategies' own decisions: the pipeline split (``split_units``, the plan's ``stage_ids``), the tensor plan
-(``resolve_plan``: a column-wise ``Linear`` shards its weight's rows and its bias, a row-wise one its weight's
-columns, an ``Embedding`` the other way round) and FSDP's dim-0 shards over the data-sharded ranks (rank 0 holds the
-rounded-up share, the largest). The optimizer is the module's own ``configure_optimizers``, stepped once on meta
-copies of the parameters, so its state per parameter is what torch allocates (momentum, Adam's two moments, the
+decisions the strategies make (``lit_accel/layout/``): the pipeline split (``split_units``, the plan's ``stage_ids``),
+the tensor plan (``resolve_plan``: a column-wise ``Linear`` shards its weight's rows and its bias, a row-wise one its
+weight's columns, an ``Embedding`` the other way round) and FSDP's dim-0 shards over the data-sharded ranks (rank 0
+holds the rounded-up share, the largest). The optimizer is the module's own ``configure_optimizers``, stepped once on
+meta copies of the parameters, so its state per parameter is what torch allocates (momentum, Adam's two moments, the
 step counter). Each category is the maximum over ranks, as the ``MemoryMonitor`` reports it.
 """
 

@@ -1,13 +1,13 @@
 """``lit_accel.plan``: every layout's memory per rank, predicted before launch, one row per candidate layout.
 
 Each row holds the model state (parameters, gradients, optimizer state; ``_state.py``) and the activations of one
-forward (``_activations.py``) of a layout's largest rank, through the strategies' own plans and refusals
-(``_layouts.py``), activation checkpointing (``"+ac"`` rows) included. ``peak_mb`` is the tensors alive at the rank's
-step's peak (``_peak.py``): the state, the activations held (a pipeline's in-flight micro-batches), the step's
-temporaries and FSDP's gathered parameters; the runtime's own memory (kernels' scratch, the allocator's slack) is not
-in it: ``fits`` keeps a headroom for it. CPU offload (``"+offload"``) moves the state to ``host_mb`` on a GPU. The
-step time and the ranking by speed are the next parts.
-What is modelled and the measured error: ``docs/plan.md``.
+forward (``_activations.py``) of a layout's largest rank, through the ``ParallelPlan`` the strategies run
+(``lit_accel/layout/``) and their refusals (``_layouts.py``), activation checkpointing (``"+ac"`` rows) included.
+``peak_mb`` is the tensors alive at the rank's step's peak (``_peak.py``): the state, the activations held (a pipeline's
+in-flight micro-batches), the step's temporaries and FSDP's gathered parameters; the runtime's own memory (kernels'
+scratch, the allocator's slack) is not in it: ``fits`` keeps a headroom for it. CPU offload (``"+offload"``) moves the
+state to ``host_mb`` on a GPU. The step time and the ranking by speed are the next parts. What is modelled and the
+measured error: ``docs/plan.md``.
 """
 
 from __future__ import annotations

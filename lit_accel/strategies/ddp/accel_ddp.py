@@ -183,7 +183,7 @@ class AccelDDP(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
-        self.parts.compile_blocks(self.model)  # before DDP wraps it: hooks outside the graphs
+        self.parts.compile_blocks(type(self).__name__, self.model)  # before DDP wraps it: hooks outside the graphs
         super().configure_ddp()  # wraps the model; registers no hook, since DDPStrategy's ddp_comm_hook is None
         assert isinstance(self.model, DistributedDataParallel)
         stats = self._comm_stats

@@ -239,10 +239,10 @@ class AccelParts:
             resume_finished_epoch(trainer)
             resume_loader_states(trainer)  # the plan set the loader up before the loops were restored
 
-    def compile_blocks(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
+    def compile_blocks(self, owner: str, model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
         """Compile the blocks' ``forward`` before the strategy wraps or shards ``model`` (``compile=`` set)."""
         if self.compilation is not None:
-            self.compilation.apply(compile_targets(self.owner, model, blocks))
+            self.compilation.apply(compile_targets(owner, model, blocks))
 
     def teardown(self) -> None:
         """In ``teardown``: the eager ``forward`` back."""

@@ -1,8 +1,7 @@
 """How the sharded strategies shard: FSDP2's ``fully_shard`` per block and then on the root, and FSDP's dtypes.
 
-The blocks are ``lit_accel/layout/blocks.py``'s. They are sharded innermost first, then the root, as torchtitan does;
-activation checkpointing wraps the blocks first (``torch.distributed._composable.checkpoint``: no module or key
-changes).
+The blocks are ``lit_accel/layout/blocks.py``'s (activation checkpointing, when asked, wrapped them first). They are
+sharded innermost first, then the root, as torchtitan does.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -265,7 +266,7 @@ class AccelParallel(ModelParallelStrategy):
 
     def _build(self, module: pl.LightningModule) -> None:
         name, compiling = type(self).__name__, self.parts.compilation is not None
-        config = BuildConfig(name, self.plan, self.parts.compile_blocks if compiling else None,
+        config = BuildConfig(name, self.plan, functools.partial(self.parts.compile_blocks, name) if compiling else None,
                              _compat.get_layer_sync(self))  # fmt: skip
         built = build_parallel_model(module, self.device_mesh, self.global_rank, self.root_device,
                                      self.precision_plugin, config)  # fmt: skip
