@@ -206,9 +206,15 @@ def test_nothing_outside_the_strategies_imports_their_modules():
         if PACKAGE / "strategies" in path.parents:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
-            if module.startswith("lit_accel.strategies."):
-                imports.append(f"{path.relative_to(ROOT)}:{node.lineno} {module}")
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            imports += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith("lit_accel.strategies.")
+            ]
     assert not imports, f"imports of the strategies' modules (import from lit_accel.layout instead): {imports}"
 
 
