@@ -1,7 +1,7 @@
 """What AccelParallel's model checks cost, once per fit (issue #45), on timm's ViT at ViT-Tiny's width and depth.
 
 * ``chain`` (a pipeline split): ``forward`` traced with ``torch.fx``, units as leaves, and checked to be the units in
-  order (``parallel/_chain.py``). Every rank runs the same deterministic check before the split, so it is timed here
+  order (``layout/chain.py``). Every rank runs the same deterministic check before the split, so it is timed here
   in one process (the median of ``--reps``).
 * ``plan`` (a tensor plan): the numerical check at the first training forward (``parallel/_plan_check.py``) under
   data 2 x tensor 2, 4 gloo processes: the seconds spent in its hooks and its verdict on the slowest rank, beside the
@@ -76,8 +76,8 @@ def _plan_rank(rank: int, world: int) -> dict[str, Any]:
 
 
 def _chain_seconds(reps: int) -> float:
+    from lit_accel.layout.chain import check_chain
     from lit_accel.layout.stages import pipeline_units
-    from lit_accel.strategies.sharded._chain import check_chain
     from tests.helpers.parallel import TimmViT
 
     model = TimmViT(**VIT)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lit_accel.layout.batch_plan import BatchPlan, make_batch_plan
-from lit_accel.layout.stages import check_pipeline_loss
+from lit_accel.layout.chain import check_chain
+from lit_accel.layout.stages import check_pipeline_loss, pipeline_units
 from lit_accel.planning._activations import AUTOCAST, Activations, RankShape, measure_shape, rank_activations, shape_key
 from lit_accel.planning._layouts import STRATEGIES, Candidate, candidates, parse
 from lit_accel.planning._peak import Moment, StepPeak, in_children
@@ -179,7 +180,8 @@ def plan(
     found = candidates(owner, world_size) if layouts is None else [parse(owner, n, world_size) for n in layouts]
     optimizer = optimizer_bytes(owner, module, world_size)
     loaded = _loaded(batch, global_batch_size)
-    admitted = [_admitted(module, candidate, precision, optimizer, (world_size, global_batch_size, loaded))
+    chain = _chain_refusal(module, found)
+    admitted = [_admitted(module, candidate, precision, optimizer, chain, (world_size, global_batch_size, loaded))
                 for candidate in found]  # fmt: skip
     states = [state for state, _ in admitted]
     # one fake step per rank shape, for the layouts the state left in
@@ -211,19 +213,32 @@ def _loaded(batch: Any, global_batch_size: int | None) -> int | None:
         raise ValueError(f"{OWNER}(global_batch_size={global_batch_size}): {error}") from None
 
 
+def _chain_refusal(module: pl.LightningModule, found: list[Candidate]) -> str | None:
+    """Why no pipeline can split ``module`` (its ``forward`` is not its units in order), or None; checked once."""
+    if not any(c.plan is not None and c.plan.layout.pipeline > 1 for c in found):
+        return None
+    try:
+        check_chain(OWNER, module, [name for name, _ in pipeline_units(module)])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _admitted(
     module: pl.LightningModule,
     candidate: Candidate,
     precision: str,
     optimizer: dict[str, tuple[float, float]],
+    chain: str | None,
     batches: tuple[int, int | None, int | None],
 ) -> tuple[dict[str, float] | str, BatchPlan | None]:
     """The layout's model state and batch plan, or why it is refused (and None).
 
-    The layout's own reasons come first (a pipeline with no ``pipeline_loss`` takes no batch at all), then the
-    batch's. ``batches``: the world size, the global batch size and one device's loaded batch size.
+    The layout's own reasons come first (a pipeline with no ``pipeline_loss`` takes no batch at all; one of a model
+    whose forward is not a chain, ``chain``), then the batch's. ``batches``: the world size, the global batch size
+    and one device's loaded batch size.
     """
-    state = _state(module, candidate, precision, optimizer)
+    state = _state(module, candidate, precision, optimizer, chain)
     if isinstance(state, str):
         return state, None
     batch_plan = _batch_plan(candidate, *batches)
@@ -251,13 +266,15 @@ def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | 
 
 
 def _state(module: pl.LightningModule, candidate: Candidate, precision: str,
-           optimizer: dict[str, tuple[float, float]]) -> dict[str, float] | str:  # fmt: skip
-    """The layout's model state (``state_bytes``), or why it is refused (sizes, no ``pipeline_loss``, the split)."""
+           optimizer: dict[str, tuple[float, float]], chain: str | None) -> dict[str, float] | str:  # fmt: skip
+    """The layout's model state (``state_bytes``), or why it is refused (sizes, ``pipeline_loss``, ``chain``, split)."""
     if candidate.refused is not None:
         return candidate.refused
     try:
         if candidate.plan is not None:
             check_pipeline_loss(OWNER, module, candidate.plan.layout.pipeline)
+            if chain is not None and candidate.plan.layout.pipeline > 1:
+                return chain
         return state_bytes(module, candidate.plan, _PARAM_DTYPES[precision], optimizer)
     except (ValueError, TypeError) as error:  # the split or tensor plan the strategy would refuse
         return str(error)

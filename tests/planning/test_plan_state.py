@@ -252,6 +252,29 @@ def test_a_layout_whose_state_does_not_fit_is_refused_and_a_7b_model_plans_on_th
     assert planned.best is not None and planned.best.name != "ddp"
 
 
+class _ResidualModel(PipeModel):
+    """A residual around the blocks, outside any unit: no pipeline can split it (the strategy refuses it at setup)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        h = x
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h + x))
+
+
+def test_a_model_whose_forward_is_not_its_units_in_order_plans_no_pipeline_as_the_strategy_refuses_it():
+    layouts = ["fsdp", "tp2", "pp2", "pp2+ac"]
+    planned = plan(_ResidualModel(), dataset(LOADED).tensors, world_size=2, layouts=layouts)
+    for name in ("pp2", "pp2+ac"):
+        refused = planned[name].refused
+        assert "forward is not its units applied in order" in refused and "Fix:" in refused
+        assert "runs between units" in refused and planned[name].memory_mb == {}
+    assert planned["fsdp"].refused is None and planned["tp2"].refused is None and planned.best is not None
+    # the model that keeps the contract plans every layout
+    assert all(row.refused is None for row in plan(_model(), world_size=2, layouts=layouts).rows)
+
+
 def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_them():
     refused = plan(GPT(heads=4), world_size=8, layouts=["tp8"])["tp8"].refused
     assert "'blocks.0.attn' has n_head=4, not a multiple of tensor_parallel=8" in refused and "Fix:" in refused

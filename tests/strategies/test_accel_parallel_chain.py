@@ -1,6 +1,6 @@
 """The pipeline contract, checked (issue #45): a model whose ``forward`` is not its units in order is never split.
 
-The check traces ``forward`` (``sharded/_chain.py``); the refusals come before the first optimizer step on every rank
+The check traces ``forward`` (``layout/chain.py``); the refusals come before the first optimizer step on every rank
 of a real 2-process gloo job, and a model that keeps the contract (units in order, a tuple passed on) still splits.
 """
 
@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lit_accel import AccelParallel, PipelineLoss
+from lit_accel.layout.chain import check_chain
 from lit_accel.layout.stages import pipeline_units
-from lit_accel.strategies.sharded._chain import check_chain
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 from tests.helpers.parallel import IN, OUT, PipeModel, dataset

@@ -22,8 +22,8 @@ from torch import nn
 from lit_accel.layout import blocks as _blocks
 from lit_accel.layout import stages as _stages
 from lit_accel.layout import tensor_plan as _tensor_plan
+from lit_accel.layout.chain import check_chain
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
-from lit_accel.strategies.sharded import _chain
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
 from lit_accel.strategies.sharded._plan_check import PlanCheck
 from lit_accel.utilities import _compat
@@ -78,7 +78,7 @@ def _split(owner: str, module: pl.LightningModule, pp_rank: int, config: BuildCo
     """Choose the stages, keep this rank's units; returns stage id -> unit names."""
     units = _stages.pipeline_units(module)
     names = [name for name, _ in units]
-    _chain.check_chain(owner, module, names)  # before any unit is pruned: the stages must be the model's forward
+    check_chain(owner, module, names)  # before any unit is pruned: the stages must be the model's forward
     plan = config.plan
     num_stages = plan.num_stages
     starts = _stages.split_units(owner, names, units, num_stages, plan.stage_split)
