@@ -142,6 +142,15 @@ class ParallelPlan:
         )
         return {"splits_batches": True, "micro_batches": count}
 
+    def check_precision(self, owner: str, precision: object) -> None:
+        """Refuse a precision this layout cannot train (``ValueError``): float8 Linear layers under a tensor size."""
+        tensor = self.layout.tensor
+        if precision == "fp8-mixed" and tensor > 1:
+            raise ValueError(
+                f"{owner}(tensor_parallel={tensor}) with fp8-mixed: float8 Linear layers need torchao's float8"
+                " tensor-parallel styles, which AccelParallel does not apply. Fix: bf16-mixed, or tensor_parallel=1."
+            )
+
     @property
     def num_stages(self) -> int:
         """Pipeline stages in all (1 without a pipeline)."""

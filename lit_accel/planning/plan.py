@@ -267,12 +267,16 @@ def _batch_plan(candidate: Candidate, world_size: int, global_batch_size: int | 
 
 def _state(module: pl.LightningModule, candidate: Candidate, precision: str,
            optimizer: dict[str, tuple[float, float]], chain: str | None) -> dict[str, float] | str:  # fmt: skip
-    """The layout's model state (``state_bytes``), or why it is refused (sizes, ``pipeline_loss``, ``chain``, split)."""
+    """The layout's model state (``state_bytes``), or why it is refused (the strategy's refusals, at setup).
+
+    Sizes, ``pipeline_loss``, ``chain`` (a forward no pipeline can split), the split, the precision.
+    """
     if candidate.refused is not None:
         return candidate.refused
     try:
         if candidate.plan is not None:
             check_pipeline_loss(OWNER, module, candidate.plan.layout.pipeline)
+            candidate.plan.check_precision(OWNER, precision)
             if chain is not None and candidate.plan.layout.pipeline > 1:
                 return chain
         return state_bytes(module, candidate.plan, _PARAM_DTYPES[precision], optimizer)

@@ -275,6 +275,14 @@ def test_a_model_whose_forward_is_not_its_units_in_order_plans_no_pipeline_as_th
     assert all(row.refused is None for row in plan(_model(), world_size=2, layouts=layouts).rows)
 
 
+def test_fp8_under_a_tensor_dimension_is_refused_as_the_strategy_refuses_it():
+    planned = plan(_model(), world_size=2, precision="fp8-mixed", layouts=["fsdp", "tp2", "tp2+ac", "pp2"])
+    for name in ("tp2", "tp2+ac"):
+        assert "tensor_parallel=2) with fp8-mixed" in planned[name].refused and "Fix:" in planned[name].refused
+    assert [row.name for row in planned.rows if row.refused is None] == ["fsdp", "pp2"]
+    assert plan(_model(), world_size=2, precision="bf16-mixed", layouts=["tp2"])["tp2"].refused is None
+
+
 def test_a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_them():
     refused = plan(GPT(heads=4), world_size=8, layouts=["tp8"])["tp8"].refused
     assert "'blocks.0.attn' has n_head=4, not a multiple of tensor_parallel=8" in refused and "Fix:" in refused

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_accel import AccelParallel
+from lit_accel import AccelParallel, AccelPrecision, plan
 from lit_accel.layout.schedules import SCHEDULES
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
@@ -33,8 +33,9 @@ V_PROBLEM = SCHEDULES["zbv"].cpu_problem()  # why this torch cannot run the V sc
 
 
 def _fit_until_refused(rank: int, world: int, strategy_kwargs: dict[str, Any], loaded: int = 8,
-                       make_model: Any = PipeModel) -> dict[str, Any]:  # fmt: skip
-    trainer = pl.Trainer(strategy=AccelParallel(**strategy_kwargs),
+                       make_model: Any = PipeModel, precision: str | None = None) -> dict[str, Any]:  # fmt: skip
+    plugins = [AccelPrecision(precision)] if precision else None
+    trainer = pl.Trainer(strategy=AccelParallel(**strategy_kwargs), plugins=plugins,
                          **small_trainer_kwargs(devices=world, max_steps=2, max_epochs=-1))  # fmt: skip
     hook, printed = sys.excepthook, None
     with warnings.catch_warnings(record=True) as caught:
@@ -105,6 +106,16 @@ def test_a_model_sharded_in_configure_model_is_refused_with_a_tensor_dimension()
                                   init_process_group=False):  # fmt: skip
         assert "configure_model applied fully_shard" in result["error"] and "Fix: drop fully_shard" in result["error"]
         assert result["steps"] == 0
+
+
+def test_fp8_under_a_tensor_dimension_is_refused_at_setup_as_the_planner_refuses_it():
+    results = run_distributed(_fit_until_refused, 2, {"tensor_parallel": 2}, 8, PipeModel, "fp8-mixed",
+                              init_process_group=False)  # fmt: skip
+    for result in results:
+        assert "AccelParallel(tensor_parallel=2) with fp8-mixed" in result["error"], result["error"]
+        assert "Fix: bf16-mixed, or tensor_parallel=1." in result["error"] and result["steps"] == 0
+    planned = plan(PipeModel(), world_size=2, precision="fp8-mixed", layouts=["tp2"])["tp2"].refused
+    assert planned == results[0]["error"].replace("AccelParallel(", "lit_accel.plan(", 1)
 
 
 class _Evaluated(PipeModel):

@@ -88,11 +88,7 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
         )
     _check_layer_sync(owner, get_layer_sync(strategy), layout)
     precision = getattr(strategy.precision_plugin, "precision", None)
-    if precision == "fp8-mixed" and layout.tensor > 1:
-        raise ValueError(
-            f"{owner}(tensor_parallel={layout.tensor}) with fp8-mixed: float8 Linear layers need torchao's float8"
-            " tensor-parallel styles, which AccelParallel does not apply. Fix: bf16-mixed, or tensor_parallel=1."
-        )
+    strategy.plan.check_precision(owner, precision)
     if precision == "16-mixed" and not isinstance(
         getattr(strategy.precision_plugin, "scaler", None), torch.amp.GradScaler
     ):
