@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lit_accel.meters._plots import save_png
+from lit_accel.meters.plots import save_png
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

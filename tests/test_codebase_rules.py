@@ -199,23 +199,43 @@ def test_no_module_reads_a_private_name_of_a_strategy_it_does_not_define():
     assert not reads, f"private names read from other objects (go through a public name or _compat): {reads}"
 
 
+def _imported(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``; ``from a import _b`` names ``a._b`` too (a private submodule)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            found += [(node.lineno, module)]
+            found += [(node.lineno, f"{module}.{a.name}") for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found
+
+
 def test_nothing_outside_the_strategies_imports_their_modules():
     """The planner and the rest reach the strategies through ``lit_accel.strategies``; what both read is in layout/."""
-    imports = []
-    for path in MODULES:
-        if PACKAGE / "strategies" in path.parents:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            imports += [
-                f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith("lit_accel.strategies.")
-            ]
+    imports = [
+        f"{path.relative_to(ROOT)}:{line} {name}"
+        for path in MODULES
+        if PACKAGE / "strategies" not in path.parents
+        for line, name in _imported(path)
+        if name.startswith("lit_accel.strategies.")
+    ]
     assert not imports, f"imports of the strategies' modules (import from lit_accel.layout instead): {imports}"
+
+
+def test_no_package_imports_another_packages_private_modules():
+    """A package's ``_x`` modules are its own; the others and the examples import its public modules (``utilities``
+    is everyone's)."""
+    imports = []
+    for path in [*MODULES, *sorted((ROOT / "examples").rglob("*.py"))]:
+        parts = path.relative_to(PACKAGE).parts if PACKAGE in path.parents else ()
+        own = parts[0] if len(parts) > 1 else None  # (lit_accel/__init__.py, protocols.py and examples: none)
+        for line, name in _imported(path):
+            package, *rest = name.split(".")[1:] if name.startswith("lit_accel.") else ("", "")
+            if package not in (own, "utilities") and any(part.startswith("_") for part in rest):
+                imports.append(f"{path.relative_to(ROOT)}:{line} {name}")
+    assert not imports, f"imports of another package's private modules (give it a public module): {imports}"
 
 
 _EXAMPLE_ONLY = ("timm", "torchmetrics")

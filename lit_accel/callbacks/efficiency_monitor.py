@@ -17,9 +17,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_accel.callbacks._flops import FlopCounter
-from lit_accel.meters._efficiency_metrics import checked_peak_flops
-from lit_accel.meters._plots import efficiency_figure, save_report
-from lit_accel.meters.efficiency import EfficiencyMeter
+from lit_accel.meters.efficiency import EfficiencyMeter, checked_peak_flops
+from lit_accel.meters.plots import efficiency_figure, save_report
 from lit_accel.meters.tables import comm_note, efficiency_table, peaks_caption
 from lit_accel.protocols import CommStatsProvider, PipelineBubbleStats
 from lit_accel.utilities._compat import batches_that_stepped

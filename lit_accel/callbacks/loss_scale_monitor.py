@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_accel.meters._plots import loss_scale_figure, save_report
 from lit_accel.meters.loss_scale import LossScaleMeter
+from lit_accel.meters.plots import loss_scale_figure, save_report
 from lit_accel.utilities._compat import batches_that_stepped, grad_scaler_grads_unscaled
 from lit_accel.utilities._idle_hooks import idle, idle_unused, wake
 from lit_accel.utilities._validation import check_bool, check_int

@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_accel.meters._memory_table import memory_table, stage_table
-from lit_accel.meters._plots import memory_figure, save_report
 from lit_accel.meters.memory import MemoryMeter
+from lit_accel.meters.plots import memory_figure, save_report
+from lit_accel.meters.tables import memory_table, stage_table
 from lit_accel.protocols import PipelineStages, StagePlacement
 from lit_accel.utilities._compat import batches_that_stepped
 from lit_accel.utilities._idle_hooks import idle, idle_unused, wake

@@ -23,7 +23,10 @@ from lit_accel.layout.tensor_plan import TensorPlan, check_plan
 from lit_accel.protocols import StagePlacement
 from lit_accel.utilities._validation import check_bool, check_choice, check_int
 
-__all__ = ["ParallelPlan"]
+__all__ = ["COMPUTE_DTYPES", "ParallelPlan"]
+
+#: each mixed precision's compute dtype: autocast's, and FSDP's for the parameters it gathers (``param_dtype``)
+COMPUTE_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from lit_accel.utilities._warnings import rank_zero_warn
 if TYPE_CHECKING:
     from lit_accel.protocols import CommStats
 
-__all__ = ["EfficiencyMeter"]
+__all__ = ["EfficiencyMeter", "checked_peak_flops"]
 
 _log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from lit_accel.utilities._validation import check_int
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-__all__ = ["MemoryMeter"]
+__all__ = ["MemoryMeter", "SavedTensorProbe"]
 
 
 class MemoryMeter:

@@ -26,9 +26,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lit_accel.layout.batch_plan import make_batch_plan
 from lit_accel.layout.blocks import checkpoint_blocks, find_blocks
+from lit_accel.layout.plan import COMPUTE_DTYPES
 from lit_accel.layout.stages import pipeline_units, split_units
 from lit_accel.layout.tensor_plan import head_attribute, resolve_plan
-from lit_accel.meters._memory_probe import SavedTensorProbe
+from lit_accel.meters.memory import SavedTensorProbe
 from lit_accel.planning._peak import StepPeak, step_peak
 from lit_accel.planning._state import tensor_dims
 from lit_accel.utilities._batches import batch_length
@@ -38,11 +39,9 @@ if TYPE_CHECKING:
 
     from lit_accel.layout.plan import ParallelPlan
 
-__all__ = ["AUTOCAST", "Activations", "RankShape", "measure_shape", "rank_activations", "shape_key"]
+__all__ = ["Activations", "RankShape", "measure_shape", "rank_activations", "shape_key"]
 
 OWNER = "lit_accel.plan"
-#: the autocast dtype of each mixed precision (also FSDP's compute dtype for the parameters under it)
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "fp8-mixed": torch.bfloat16}
 _TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
@@ -198,7 +197,7 @@ def _prepared(module: pl.LightningModule, batch: Any, plan: ParallelPlan | None,
     if plan is not None and plan.layout.pipeline > 1:  # the strategy's count, refused as it refuses a batch
         micro = plan.pipeline_split(None)["micro_batches"]
         make_batch_plan(None, batch_length(batch), 1, micro_batches=micro, even_micro_batches=True, owner=OWNER)
-    autocast = AUTOCAST.get(precision)
+    autocast = COMPUTE_DTYPES.get(precision)
     # FSDP computes in its MixedPrecisionPolicy's dtype (the autocast one): the gathered parameters are low precision
     params_dtype = _TRUE.get(precision) or (autocast if plan is not None and plan.sharded else None)
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # (a metric's real state meets the fake outputs)

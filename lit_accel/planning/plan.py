@@ -22,8 +22,9 @@ import torch
 
 from lit_accel.layout.batch_plan import BatchPlan, make_batch_plan
 from lit_accel.layout.chain import check_chain
+from lit_accel.layout.plan import COMPUTE_DTYPES
 from lit_accel.layout.stages import check_pipeline_loss, pipeline_units
-from lit_accel.planning._activations import AUTOCAST, Activations, RankShape, measure_shape, rank_activations, shape_key
+from lit_accel.planning._activations import Activations, RankShape, measure_shape, rank_activations, shape_key
 from lit_accel.planning._layouts import STRATEGIES, Candidate, candidates, parse
 from lit_accel.planning._peak import Moment, StepPeak, in_children
 from lit_accel.planning._state import gathered_bytes, optimizer_bytes, state_bytes, the_optimizer
@@ -330,7 +331,7 @@ def _least_on_device(module: pl.LightningModule, plan: ParallelPlan | None, stat
     if peak_mb is not None:
         return peak_mb * 1e6, "the predicted peak"
     if offloaded:  # the state is in host memory; FSDP still gathers the parameters on the device
-        dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
+        dtype = COMPUTE_DTYPES.get(precision, _PARAM_DTYPES[precision])
         return gathered_bytes(module, plan, state["params"], dtype), "the gathered parameters alone"
     return sum(state.values()), "the model state alone"
 
@@ -355,7 +356,7 @@ def _peak_parts(module: pl.LightningModule, plan: ParallelPlan | None, kind: str
     them.
     """
     pipeline = plan is not None and plan.layout.pipeline > 1
-    gathered_dtype = AUTOCAST.get(precision, _PARAM_DTYPES[precision])
+    gathered_dtype = COMPUTE_DTYPES.get(precision, _PARAM_DTYPES[precision])
     gathered = gathered_bytes(module, plan, state["params"], gathered_dtype)
 
     def parts(moment: Moment, computing: bool) -> dict[str, float]:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lit_accel import AccelParallel, MemoryMeter, MemoryMonitor, ParallelPlan, PipelineStages, StagePlacement
 from lit_accel.meters._memory_metrics import DtypeBytes, RankMemory, per_stage, stage_metrics
-from lit_accel.meters._memory_table import stage_table
+from lit_accel.meters.tables import stage_table
 from tests.helpers import CaptureLogger, run_distributed, small_trainer_kwargs
 from tests.helpers.parallel import PipeModel, dataset
 

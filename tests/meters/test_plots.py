@@ -9,8 +9,8 @@ import pytest
 from lightning.pytorch.plugins import MixedPrecision
 
 from lit_accel import EfficiencyMonitor, LossScaleMonitor, MemoryMonitor
-from lit_accel.meters import _plots
-from lit_accel.meters._plots import efficiency_figure, loss_scale_figure, memory_figure
+from lit_accel.meters import plots
+from lit_accel.meters.plots import efficiency_figure, loss_scale_figure, memory_figure
 from tests.helpers import BNModel, lightning_info_messages, make_dataset, make_loader, small_trainer_kwargs
 
 
@@ -112,7 +112,7 @@ def test_a_fit_with_the_monitors_writes_a_png_next_to_each_json_report(tmp_path)
 
 
 def test_without_matplotlib_each_monitor_says_so_once_and_writes_no_png(tmp_path, monkeypatch):
-    monkeypatch.setattr(_plots, "plots_available", lambda: False)
+    monkeypatch.setattr(plots, "plots_available", lambda: False)
     with lightning_info_messages() as messages:
         _fit_with_the_three_monitors(tmp_path)
     said = [m for m in messages if "matplotlib is not installed" in m]

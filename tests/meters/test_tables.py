@@ -10,8 +10,7 @@ from rich.table import Table
 from torch import nn
 
 from lit_accel import MemoryMeter
-from lit_accel.meters._memory_table import memory_table
-from lit_accel.meters.tables import comm_note, efficiency_table, peaks_caption
+from lit_accel.meters.tables import comm_note, efficiency_table, memory_table, peaks_caption
 
 
 def _text(table: Table) -> str:

@@ -13,6 +13,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
+from lit_accel.layout.plan import COMPUTE_DTYPES
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -20,12 +22,10 @@ if TYPE_CHECKING:
 
 __all__ = ["parameter_dtype", "shard_model", "sharded_by_user"]
 
-_PARAM_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8-mixed": torch.bfloat16}
-
 
 def parameter_dtype(precision: object) -> torch.dtype | None:
     """FSDP's compute dtype for the parameters under ``precision`` (a Lightning precision plugin), or None."""
-    return _PARAM_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
+    return COMPUTE_DTYPES.get(precision.precision) if isinstance(precision, MixedPrecision) else None
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], plan: ParallelPlan) -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["efficiency_figure", "loss_scale_figure", "memory_figure", "plots_available", "save_png"]
+__all__ = ["efficiency_figure", "loss_scale_figure", "memory_figure", "plots_available", "save_png", "save_report"]
 
 Rows = Sequence[dict[str, Any]]
 
