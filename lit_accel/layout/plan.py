@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from lit_accel.layout import blocks as _blocks
 from lit_accel.layout.mesh import ParallelLayout
 from lit_accel.layout.schedules import SCHEDULES, ScheduleName, ScheduleSpec, microbatch_problem
+from lit_accel.layout.stages import check_pipeline_loss, loose_parameters
 from lit_accel.layout.tensor_plan import TensorPlan, check_plan
 from lit_accel.protocols import StagePlacement
 from lit_accel.utilities._validation import check_bool, check_choice, check_int
@@ -145,13 +147,28 @@ class ParallelPlan:
         )
         return {"splits_batches": True, "micro_batches": count}
 
-    def check_precision(self, owner: str, precision: object) -> None:
-        """Refuse a precision this layout cannot train (``ValueError``): float8 Linear layers under a tensor size."""
-        tensor = self.layout.tensor
-        if precision == "fp8-mixed" and tensor > 1:
+    def check_model(self, owner: str, module: nn.Module, precision: object) -> None:
+        """Refuse a model or precision this layout cannot train, before anything is built (setup; the planner's row).
+
+        A pipeline needs ``pipeline_loss``; float8 Linear layers take no tensor dimension; under a pipeline or tensor
+        dimension every parameter belongs to a unit (a stage or an FSDP group owns it).
+
+        Raises:
+            TypeError: a pipeline without ``pipeline_loss``.
+            ValueError: fp8 with a tensor dimension; a parameter outside every unit.
+        """
+        layout = self.layout
+        check_pipeline_loss(owner, module, layout.pipeline)
+        if precision == "fp8-mixed" and layout.tensor > 1:
             raise ValueError(
-                f"{owner}(tensor_parallel={tensor}) with fp8-mixed: float8 Linear layers need torchao's float8"
+                f"{owner}(tensor_parallel={layout.tensor}) with fp8-mixed: float8 Linear layers need torchao's float8"
                 " tensor-parallel styles, which AccelParallel does not apply. Fix: bf16-mixed, or tensor_parallel=1."
+            )
+        loose = loose_parameters(module) if layout.pipeline > 1 or layout.tensor > 1 else []
+        if loose:
+            raise ValueError(
+                f"{owner}: parameter {loose[0]!r} belongs to no module unit, so no stage or FSDP group can own it. Fix:"
+                " hold it in a submodule (e.g. an nn.Module wrapping the nn.Parameter)."
             )
 
     @property

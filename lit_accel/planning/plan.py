@@ -23,7 +23,7 @@ import torch
 from lit_accel.layout.batch_plan import BatchPlan, make_batch_plan
 from lit_accel.layout.chain import check_chain
 from lit_accel.layout.plan import COMPUTE_DTYPES
-from lit_accel.layout.stages import check_pipeline_loss, pipeline_units
+from lit_accel.layout.stages import pipeline_units
 from lit_accel.planning._activations import Activations, RankShape, measure_shape, rank_activations, shape_key
 from lit_accel.planning._layouts import STRATEGIES, Candidate, candidates, parse
 from lit_accel.planning._peak import Moment, StepPeak, in_children
@@ -276,8 +276,7 @@ def _state(module: pl.LightningModule, candidate: Candidate, precision: str,
         return candidate.refused
     try:
         if candidate.plan is not None:
-            check_pipeline_loss(OWNER, module, candidate.plan.layout.pipeline)
-            candidate.plan.check_precision(OWNER, precision)
+            candidate.plan.check_model(OWNER, module, precision)
             if chain is not None and candidate.plan.layout.pipeline > 1:
                 return chain
         return state_bytes(module, candidate.plan, _PARAM_DTYPES[precision], optimizer)

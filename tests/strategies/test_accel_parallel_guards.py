@@ -108,14 +108,34 @@ def test_a_model_sharded_in_configure_model_is_refused_with_a_tensor_dimension()
         assert result["steps"] == 0
 
 
-def test_fp8_under_a_tensor_dimension_is_refused_at_setup_as_the_planner_refuses_it():
-    results = run_distributed(_fit_until_refused, 2, {"tensor_parallel": 2}, 8, PipeModel, "fp8-mixed",
+class _Loose(PipeModel):
+    """A parameter of the LightningModule itself, in no unit: no stage or tensor-parallel FSDP group owns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift[: x.shape[-1]].sum()
+
+
+@pytest.mark.parametrize(
+    ("make_model", "precision", "expected"),
+    [
+        (PipeModel, "fp8-mixed", "(tensor_parallel=2) with fp8-mixed: float8 Linear layers need torchao's"),
+        (_Loose, None, ": parameter 'shift' belongs to no module unit, so no stage or FSDP group can own it"),
+    ],
+    ids=["fp8", "loose-parameter"],
+)
+def test_the_plans_model_checks_refuse_at_setup_as_the_planner_refuses_the_row(make_model, precision, expected):
+    results = run_distributed(_fit_until_refused, 2, {"tensor_parallel": 2}, 8, make_model, precision,
                               init_process_group=False)  # fmt: skip
     for result in results:
-        assert "AccelParallel(tensor_parallel=2) with fp8-mixed" in result["error"], result["error"]
-        assert "Fix: bf16-mixed, or tensor_parallel=1." in result["error"] and result["steps"] == 0
-    planned = plan(PipeModel(), world_size=2, precision="fp8-mixed", layouts=["tp2"])["tp2"].refused
-    assert planned == results[0]["error"].replace("AccelParallel(", "lit_accel.plan(", 1)
+        assert result["error"].startswith("AccelParallel") and expected in result["error"], result["error"]
+        assert "Fix:" in result["error"] and result["steps"] == 0
+    planned = plan(make_model(), world_size=2, precision=precision or "32-true", layouts=["tp2", "fsdp"])
+    assert planned["tp2"].refused == "lit_accel.plan" + results[0]["error"].removeprefix("AccelParallel")
+    assert planned["fsdp"].refused is None  # without a pipeline or tensor dimension FSDP's root owns everything
 
 
 class _Evaluated(PipeModel):

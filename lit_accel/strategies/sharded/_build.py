@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lit_accel.layout.mesh import ParallelLayout
     from lit_accel.layout.plan import ParallelPlan
 
 __all__ = ["BuildConfig", "ParallelModel", "build_parallel_model", "sync_layers"]
@@ -65,15 +64,6 @@ class ParallelModel:
     sharded: list[nn.Module] = dataclasses.field(default_factory=list)
 
 
-def _check_loose(owner: str, module: nn.Module, layout: ParallelLayout) -> None:
-    loose = _stages.loose_parameters(module)
-    if loose and (layout.pipeline > 1 or layout.data > 1 or layout.tensor > 1):
-        raise ValueError(
-            f"{owner}: parameter {loose[0]!r} belongs to no module unit, so no stage or FSDP group can own it. Fix:"
-            " hold it in a submodule (e.g. an nn.Module wrapping the nn.Parameter)."
-        )
-
-
 def _split(owner: str, module: pl.LightningModule, pp_rank: int, config: BuildConfig) -> dict[int, list[str]]:
     """Choose the stages, keep this rank's units; returns stage id -> unit names."""
     units = _stages.pipeline_units(module)
@@ -102,8 +92,6 @@ def build_parallel_model(
     owner, layout = config.owner, config.plan.layout
     layered = layout.pipeline > 1 or layout.tensor > 1
     own_sharding = sharding.sharded_by_user(owner, module, layered)
-    if layered:
-        _check_loose(owner, module, layout)  # (without them the whole module is FSDP's root, its own parameters too)
     plan = _tensor_plan.resolve_plan(owner, module, config.plan.tensor_plan, layout.tensor)
     owned = _split(owner, module, layout.coordinates(rank)[0], config) if layout.pipeline > 1 else {}
     sync_layers(module, config.plan, config.layer_sync)

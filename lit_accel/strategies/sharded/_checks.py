@@ -14,7 +14,6 @@ import torch
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lit_accel.layout.stages import check_pipeline_loss
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.utilities._compat import get_layer_sync
 from lit_accel.utilities._validation import check_choice, check_int
@@ -77,8 +76,9 @@ def check_environment(owner: str, plan: ParallelPlan, device: torch.device) -> N
 
 
 def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: ParallelLayout) -> None:
-    """What the model and precision must offer for the layout."""
-    check_pipeline_loss(owner, module, layout.pipeline)
+    """What the model and precision must offer for the layout (the plan's rules, which the planner runs too)."""
+    precision = getattr(strategy.precision_plugin, "precision", None)
+    strategy.plan.check_model(owner, module, precision)
     evaluating = module.trainer.state.fn
     if layout.pipeline > 1 and evaluating in (TrainerFn.TESTING, TrainerFn.PREDICTING):
         raise ValueError(
@@ -87,8 +87,6 @@ def check_model(owner: str, strategy: Any, module: pl.LightningModule, layout: P
             " Trainer whose strategy has no pipeline dimension (AccelParallel(pipeline_parallel=1), AccelFSDP)."
         )
     _check_layer_sync(owner, get_layer_sync(strategy), layout)
-    precision = getattr(strategy.precision_plugin, "precision", None)
-    strategy.plan.check_precision(owner, precision)
     if precision == "16-mixed" and not isinstance(
         getattr(strategy.precision_plugin, "scaler", None), torch.amp.GradScaler
     ):
