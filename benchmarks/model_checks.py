@@ -3,7 +3,7 @@
 * ``chain`` (a pipeline split): ``forward`` traced with ``torch.fx``, units as leaves, and checked to be the units in
   order (``layout/chain.py``). Every rank runs the same deterministic check before the split, so it is timed here
   in one process (the median of ``--reps``).
-* ``plan`` (a tensor plan): the numerical check at the first training forward (``parallel/_plan_check.py``) under
+* ``plan`` (a tensor plan): the numerical check at the first training forward (``layout/tensor_check.py``) under
   data 2 x tensor 2, 4 gloo processes: the seconds spent in its hooks and its verdict on the slowest rank, beside the
   first training step's time and the median of the later steps' (the check runs inside the first).
 
@@ -49,7 +49,7 @@ def _plan_rank(rank: int, world: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lit_accel import AccelParallel
-    from lit_accel.strategies.sharded._plan_check import PlanCheck
+    from lit_accel.layout.tensor_check import PlanCheck
     from tests.helpers.parallel import OUT, TimmViT
 
     spent = [0.0]  # the check's own seconds: its hooks' comparisons and its verdict (the benchmark wraps them)

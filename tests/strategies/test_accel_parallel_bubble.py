@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_accel import AccelParallel, EfficiencyMonitor, MemoryMonitor, PipelineLoss
-from lit_accel.strategies.sharded._bubble import simulate, single_stage_order
+from lit_accel.meters.pipeline_bubble import simulate, single_stage_order
 from tests.helpers import run_distributed
 from tests.helpers.models import small_trainer_kwargs
 

@@ -199,7 +199,7 @@ def test_a_wrong_tensor_plan_is_refused_on_every_rank_before_the_first_step():
 
 
 def test_a_plan_that_shards_across_an_operation_that_is_not_elementwise_is_refused_before_the_first_step():
-    """The sharded forward is compared with the unsharded one on the first batch (sharded/_plan_check.py): "auto"
+    """The sharded forward is compared with the unsharded one on the first batch (layout/tensor_check.py): "auto"
     pairs up and down across a softmax over the hidden width, which would train a different model."""
     for result in run_distributed(_fit_plan, 2, "auto", "softmax", init_process_group=False, timeout=120):
         error = result["error"] or ""

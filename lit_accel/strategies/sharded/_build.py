@@ -23,9 +23,9 @@ from lit_accel.layout import blocks as _blocks
 from lit_accel.layout import stages as _stages
 from lit_accel.layout import tensor_plan as _tensor_plan
 from lit_accel.layout.chain import check_chain
+from lit_accel.layout.tensor_check import PlanCheck
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies.sharded import _fsdp_sharding as sharding
-from lit_accel.strategies.sharded._plan_check import PlanCheck
 from lit_accel.utilities import _compat
 
 if TYPE_CHECKING:

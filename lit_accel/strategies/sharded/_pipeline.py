@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lit_accel.layout.schedules import ScheduleSpec, valid_microbatches
-from lit_accel.strategies.sharded._bubble import BubbleMeter, Order, single_stage_order, torch_order
+from lit_accel.meters.pipeline_bubble import BubbleMeter, Order, single_stage_order, torch_order
 from lit_accel.strategies.sharded._stage import ParallelCommStats, TimedStage
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class PipelineRunner:
         self.stages_per_rank = len(modules)
         self._loss = _WeightedLoss(loss)
         self._comm = comm
-        #: This rank's busy and wall time in the pipeline (``_bubble.py``).
+        #: This rank's busy and wall time in the pipeline (``lit_accel.meters.pipeline_bubble``).
         self.meter = BubbleMeter(device, dist.get_rank(group), num_stages)
         self._schedules: dict[tuple[int, bool], tuple[Any, int, Order]] = {}
         self._held: list[tuple[Tensor, Tensor]] = []

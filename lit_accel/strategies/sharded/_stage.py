@@ -15,7 +15,7 @@ from lit_accel.protocols import PipelineBubble
 from lit_accel.strategies.sharded._fsdp_comm import FSDPCommStats
 
 if TYPE_CHECKING:
-    from lit_accel.strategies.sharded._bubble import BubbleMeter
+    from lit_accel.meters.pipeline_bubble import BubbleMeter
 
 __all__ = ["ParallelCommStats", "TimedStage"]
 
@@ -42,7 +42,7 @@ class ParallelCommStats(FSDPCommStats):
 
     def pop_pipeline_bubble(self) -> PipelineBubble | None:
         """This rank's pipeline busy, wall and analytic idle seconds since the last call (logging steps only)."""
-        return None if self.bubble is None else PipelineBubble(*self.bubble.pop())
+        return None if self.bubble is None else self.bubble.pop()
 
     def count_sends(self, ops: list[Any]) -> None:
         """Count the tensors of a list of ``P2POp`` sends."""

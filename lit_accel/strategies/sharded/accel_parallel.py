@@ -19,6 +19,7 @@ from lit_accel.layout import blocks as _blocks
 from lit_accel.layout.mesh import ParallelLayout
 from lit_accel.layout.plan import ParallelPlan
 from lit_accel.layout.schedules import ScheduleName
+from lit_accel.layout.tensor_check import PlanCheck
 from lit_accel.layout.tensor_plan import TensorPlan
 from lit_accel.plugins.layer_sync import AccelSyncBatchNorm
 from lit_accel.strategies.parts._backend import check_backend_spec, resolve_backend
@@ -29,7 +30,6 @@ from lit_accel.strategies.sharded._build import BuildConfig, ParallelModel, buil
 from lit_accel.strategies.sharded._fsdp_comm import GradientSync, gathered_attempts, install_counting_comms
 from lit_accel.strategies.sharded._pipeline import PipelineRunner
 from lit_accel.strategies.sharded._pipeline_batch import check_no_accumulation, fit_pipeline
-from lit_accel.strategies.sharded._plan_check import PlanCheck
 from lit_accel.strategies.sharded._stage import ParallelCommStats
 from lit_accel.utilities import _compat
 

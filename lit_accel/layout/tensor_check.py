@@ -85,6 +85,7 @@ class PlanCheck:
 
     @property
     def armed(self) -> bool:
+        """Whether the hooks wait for the first training forward."""
         return bool(self._handles)
 
     def eager(self, compiling: bool) -> AbstractContextManager[Any]:

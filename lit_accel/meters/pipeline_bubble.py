@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from lit_accel.protocols import PipelineBubble
 from lit_accel.utilities._timing import IntervalTimer
 
-__all__ = ["KINDS", "BubbleMeter", "Order", "simulate", "single_stage_order"]
+__all__ = ["KINDS", "BubbleMeter", "Order", "simulate", "single_stage_order", "torch_order"]
 
 KINDS = ("F", "B", "I", "W")
 #: Per pipeline rank, its compute actions in order: ``(stage, kind, micro-batch)``.
@@ -134,8 +135,8 @@ class BubbleMeter:
         """It returned."""
         self._wall.stop()
 
-    def pop(self) -> tuple[float, float, float]:
-        """``(busy_s, wall_s, analytic_idle_s)`` since the last pop (resolve device events: logging steps only)."""
+    def pop(self) -> PipelineBubble:
+        """Busy, wall and analytic idle seconds since the last pop (resolve device events: logging steps only)."""
         totals = {kind: timer.pop_total_s() for kind, timer in self._timers.items()}
         means = {kind: totals[kind] / self._counts[kind] for kind in KINDS if self._counts[kind]}
         wall = self._wall.pop_total_s()
@@ -146,4 +147,4 @@ class BubbleMeter:
         idle_share = 1.0 - analytic_busy / analytic_wall if analytic_wall > 0 else 0.0
         self._counts = dict.fromkeys(KINDS, 0)
         self._steps.clear()
-        return sum(totals.values()), wall, idle_share * wall
+        return PipelineBubble(sum(totals.values()), wall, idle_share * wall)
