@@ -1,3 +1,5 @@
+import os
+import signal
 import time
 
 import pytest
@@ -28,6 +30,13 @@ def _raise_on_rank_one(rank: int, world_size: int) -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def _killed_on_rank_one(rank: int, world_size: int) -> None:
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does: the rank prints nothing
+    dist.all_reduce(torch.ones(1))  # rank 0 fails here, a consequence
+
+
 def _hang(rank: int, world_size: int) -> None:
     time.sleep(60)
 
@@ -56,6 +65,17 @@ def test_failing_rank_fails_the_test_with_its_message_quickly():
     assert "rank 1 failed" in str(info.value)
     assert "ValueError" in str(info.value)
     assert time.monotonic() - start < 30
+
+
+def test_a_rank_killed_by_a_signal_is_named_after_its_peers_consequence():
+    """The cause ends the message, where a log cut in the middle still shows it."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_killed_on_rank_one, 2, timeout=60)
+    message = str(info.value)
+    assert message.rstrip().endswith("rank 1 was killed by SIGKILL (with no timeout passed here, usually the"
+                                     " out-of-memory killer: see dmesg) without reporting (a crash prints its"
+                                     " threads' stacks in pytest's 'Captured stderr')")  # fmt: skip
+    assert "--- rank 0 failed ---" in message  # its peer's error, first, collected within the second it takes
 
 
 def test_hung_group_fails_at_the_timeout():

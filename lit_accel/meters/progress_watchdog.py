@@ -328,16 +328,42 @@ class ProgressWatchdog:
             self._end()
 
     def _end(self) -> None:
-        """Kill the DataLoader workers (a blocked one would outlive us), let the launched ranks end theirs, exit.
+        """Kill this rank's DataLoader workers (a blocked one would outlive us), then exit; a launcher exits first.
 
-        Only the processes the job owns: another child of this process (a user's, a logger's) is left alone.
+        Lightning's launcher thread SIGKILLs every rank, itself included, once it sees a launched rank exit with a
+        non-zero code: had a launched rank exited first, the job's exit code would read -9, not the verdict's. So each
+        rank marks that it is done in the store; the launcher waits for its ranks' marks (killing the ones stuck past
+        the grace), exits, and they exit when they see it gone. Only the processes the job owns are killed.
         """
-        for child in [*dataloader_workers(), *self._children]:
+        for worker in dataloader_workers():
             with contextlib.suppress(Exception):
-                if child in self._children:
-                    child.wait(self._grace)  # a launched rank ends itself, and its own DataLoader workers
-                child.kill()
+                worker.kill()
+        with contextlib.suppress(Exception):
+            self._store.set(f"ended/{self._host}/{self._pid}", "1")
+        launcher = os.getppid()
+        if self._children:
+            self._end_children()
+        elif any(s.pid == launcher and s.host == self._host for s in getattr(self.report, "states", ())):
+            deadline = time.monotonic() + 2 * self._grace  # bounded: a launcher that never exits must not keep us
+            while os.getppid() == launcher and time.monotonic() < deadline:
+                time.sleep(0.02)
         os._exit(HANG_EXIT_CODE)  # no clean shutdown: the blocked collective would never return
+
+    def _end_children(self) -> None:
+        """The launcher: wait a grace for its ranks to mark the end of their work; kill those that did not."""
+        pending, deadline = list(self._children), time.monotonic() + self._grace
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+            pending = [child for child in pending if child.poll() is None and not self._has_ended(child.pid)]
+        for child in pending:  # stuck beyond its own watchdog's reach
+            with contextlib.suppress(Exception):
+                child.kill()
+
+    def _has_ended(self, pid: int) -> bool:
+        try:
+            return self._store.check([f"ended/{self._host}/{pid}"])
+        except Exception:  # a store that fails cannot tell: the grace decides
+            return False
 
 
 def dataloader_workers() -> list[Any]:

@@ -187,6 +187,7 @@ def slow_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Job]:
 def _check_ended_in_time(job: _Job) -> None:
     """Exit 124 in time, and nothing of the job left running but the children the job does not own."""
     assert job.returncode == HANG_EXIT_CODE, job.output[-6000:]
+    assert "Forcefully terminating" not in job.output, job.output[-6000:]  # Lightning's launcher thread: no rank -9
     assert job.detect_s < DETECT_S, job.output[-6000:]
     bystanders = sorted(int(pid) for pid in re.findall(r"BYSTANDER_PID (\d+)", job.output))
     assert sorted(job.leftover) == bystanders, job.output[-6000:]
@@ -941,6 +942,28 @@ def test_ending_the_process_needs_no_new_thread(monkeypatch):
     watchdog._children = []
     watchdog._end()
     assert exits == [HANG_EXIT_CODE]
+
+
+def test_a_launcher_exits_before_the_ranks_it_launched_and_kills_only_those_that_never_finished(monkeypatch):
+    """Lightning's launcher thread SIGKILLs every rank, itself included, once a launched rank has exited non-zero (the
+    job then reads -9, not 124): the launcher exits first. A launched rank that marked the end of its work is left
+    to exit after it; one that never marked it (stuck beyond its own watchdog) is killed after the grace."""
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    done, stuck = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    try:
+        watchdog = ProgressWatchdog(5.0, interval=0.2)
+        watchdog._children, watchdog._store = [done, stuck], torch.distributed.HashStore()
+        watchdog._host, watchdog._pid = "host", os.getpid()
+        watchdog._store.set(f"ended/host/{done.pid}", "1")  # what the launched rank's own _end() writes
+        started = time.monotonic()
+        watchdog._end()
+        assert exits == [HANG_EXIT_CODE] and time.monotonic() - started < 2 * watchdog._grace
+        assert stuck.wait(5) == -signal.SIGKILL and done.poll() is None
+    finally:
+        for child in (done, stuck):
+            child.kill()
+            child.wait()
 
 
 # ---------------------------------------------------------------------------------------------------------------

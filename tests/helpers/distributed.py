@@ -13,6 +13,7 @@ which case ``fn`` must be importable (defined at module level).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -50,6 +51,7 @@ def _worker(
     init_process_group: bool,
 ) -> None:
     status = 0
+    faulthandler.enable(all_threads=True)  # a rank that crashes (SIGSEGV, SIGABRT) prints its threads' stacks
     try:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
@@ -140,7 +142,7 @@ def run_distributed(
 
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    deadline, settle = time.monotonic() + timeout, float("inf")
     try:
         while len(results) + len(errors) < world_size:
             if time.monotonic() > deadline:
@@ -156,18 +158,22 @@ def run_distributed(
                     try:
                         status, value = pickle.loads(conn.recv_bytes())
                     except EOFError:
-                        errors[rank] = f"rank {rank} exited with code {procs[rank].exitcode} without reporting"
+                        errors[rank] = _died(rank, procs[rank])
                         continue
                     if status == "ok":
                         results[rank] = value
                     else:
                         errors[rank] = value
                 elif not procs[rank].is_alive() and not conn.poll(0):
-                    errors[rank] = f"rank {rank} died with exit code {procs[rank].exitcode} without reporting"
+                    errors[rank] = _died(rank, procs[rank])
             if errors:
-                # One failed rank leaves its peers blocked in a collective: stop them now, not at the
-                # collective timeout, and report the first failure.
-                raise DistributedTestError(_format_errors(errors))
+                # One failed rank leaves its peers blocked in a collective: stop them soon, not at the collective
+                # timeout. A second first: a rank that reported first may be the consequence of one dying just now.
+                settle = min(settle, time.monotonic() + _SETTLE_S)
+                if time.monotonic() > settle:
+                    break
+        if errors:
+            raise DistributedTestError(_format_errors(errors))
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -179,5 +185,24 @@ def run_distributed(
     return [results[r] for r in range(world_size)]
 
 
+_SETTLE_S = 1.0  # after a failure, how long its peers may take to report theirs (a gloo peer fails within a second)
+# A rank whose collective failed because a peer stopped says so; the peer's own failure is the cause.
+_CONSEQUENCE = ("error is a consequence, not the cause", "Connection reset by peer", "Connection closed by peer")
+
+
+def _died(rank: int, proc: Any) -> str:
+    proc.join(timeout=1.0)
+    code = proc.exitcode
+    if code is not None and code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+        if code == -signal.SIGKILL:
+            how += " (with no timeout passed here, usually the out-of-memory killer: see dmesg)"
+    else:
+        how = f"exited with code {code}"
+    return f"rank {rank} {how} without reporting (a crash prints its threads' stacks in pytest's 'Captured stderr')"
+
+
 def _format_errors(errors: dict[int, str]) -> str:
-    return "".join(f"\n--- rank {rank} failed ---\n{msg}" for rank, msg in sorted(errors.items()))
+    """Every failed rank's message, the consequences of a peer's exit first: the cause ends the message, in view."""
+    order = sorted(errors, key=lambda rank: (not any(mark in errors[rank] for mark in _CONSEQUENCE), rank))
+    return "".join(f"\n--- rank {rank} failed ---\n{errors[rank]}" for rank in order)
