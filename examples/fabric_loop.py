@@ -46,7 +46,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_accel import DynamicGradScaler, EfficiencyMeter, LossScaleMeter
 from lit_accel.meters.tables import comm_note, efficiency_table
-from lit_accel.utilities._units import format_count, format_percent, format_seconds
 
 PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 
@@ -242,13 +241,13 @@ def step_line(step: int, steps: int, loss: float, figures: dict[str, float], ski
     """One logging step for people: ``step 10/40 | loss 0.4123 | 4,512 samples/s | ... | skipped step 6``."""
     parts = [f"step {step:>{len(str(steps))}}/{steps}", f"loss {loss:.4f}"]
     if "perf/samples_per_sec" in figures:
-        parts.append(f"{format_count(figures['perf/samples_per_sec'])} samples/s")
-        parts.append(f"step time {format_seconds(figures['perf/step_time_ms'] / 1e3)}")
-        parts.append(f"data wait {format_percent(figures['perf/data_wait_frac'])}")
+        parts.append(f"{figures['perf/samples_per_sec']:,.0f} samples/s")
+        parts.append(f"step time {figures['perf/step_time_ms']:,.1f} ms")
+        parts.append(f"data wait {figures['perf/data_wait_frac']:.1%}")
     else:
         parts.append("warming up (no timing yet)")
     if "amp/loss_scale" in figures:
-        parts.append(f"loss scale {format_count(figures['amp/loss_scale'])}")
+        parts.append(f"loss scale {figures['amp/loss_scale']:,.0f}")
     if skipped:
         names = ", ".join(map(str, skipped))
         parts.append(f"skipped step{'s' if len(skipped) > 1 else ''} {names} (inf/NaN gradients, weights unchanged)")

@@ -105,7 +105,6 @@ from lit_accel import (
     MemoryMonitor,
     NonFiniteGuard,
 )
-from lit_accel.utilities._units import format_flops_per_second  # the monitors' own unit choice
 
 # A ViT small enough for 8x8 digits on a CPU: timm's ViT-Tiny at width 96, depth 4, 3 heads (~0.45 M parameters), with
 # 4x4 patches on the 16x16 upsampled digits, i.e. one token per 2x2 block of original pixels (16 tokens + class token).
@@ -843,7 +842,9 @@ def print_table(results: dict[str, Any]) -> None:
         return unknown if value is None else format(value, spec) + unit
 
     def fmt_flops(tflops: float | None) -> str:  # "13.1 GFLOP/s" on a CPU, not "0.01 TFLOP/s"
-        return "n/a" if tflops is None else format_flops_per_second(tflops * 1e12)
+        if tflops is None:
+            return "n/a"
+        return f"{tflops:.3g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.3g} GFLOP/s"
 
     no_mfu = "no MFU on CPU" if results["device"] == "cpu" else "n/a (unknown peak)"  # a CPU has no datasheet peak
     table = Table(title="ViT case study: results", show_header=True)
