@@ -6,6 +6,11 @@ import torch
 # Keep the CI machine's two cores for the two ranks of distributed tests.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Every process the tests start (spawned ranks, launched jobs) prints its Python threads' stacks if it crashes
+# (SIGSEGV, SIGABRT): a rank of Lightning's spawn launcher once aborted at exit in the slow suite, with only
+# "terminate called without an active exception" to show for it.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 # Ranks are forked (tests/helpers/distributed.py). Autograd decides once, at a process's first backward, whether it
 # needs device threads, and a forked child of a process that started them cannot run backward ("autograd's threading
 # in combination with fork"). After an in-process torch.compile that first backward starts them even without a GPU,
