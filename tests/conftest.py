@@ -6,9 +6,9 @@ import torch
 # Keep the CI machine's two cores for the two ranks of distributed tests.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-# Every process the tests start (spawned ranks, launched jobs) prints its Python threads' stacks if it crashes
-# (SIGSEGV, SIGABRT): a rank of Lightning's spawn launcher once aborted at exit in the slow suite, with only
-# "terminate called without an active exception" to show for it.
+# Every process the tests start (spawned ranks, launched jobs; forked ranks inherit pytest's faulthandler) prints its
+# Python threads' stacks if it crashes (SIGSEGV, SIGABRT): a rank of Lightning's spawn launcher once aborted at exit
+# in the slow suite, with only "terminate called without an active exception" to show for it.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 # Ranks are forked (tests/helpers/distributed.py). Autograd decides once, at a process's first backward, whether it

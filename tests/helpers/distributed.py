@@ -13,7 +13,6 @@ which case ``fn`` must be importable (defined at module level).
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -51,7 +50,6 @@ def _worker(
     init_process_group: bool,
 ) -> None:
     status = 0
-    faulthandler.enable(all_threads=True)  # a rank that crashes (SIGSEGV, SIGABRT) prints its threads' stacks
     try:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
